@@ -1,0 +1,37 @@
+# Fresh-machine entry points: `make demo` (the main job) and `make test` (what CI runs).
+# Both create .venv on first use. The CPU install leaves out flash-attn and vllm (they need CUDA);
+# see README "Install" for the GPU path.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip -q --disable-pip-version-check
+CONSTRAINTS := -c requirements/constraints.txt
+DEMO_ARGS ?=
+
+.PHONY: install demo test bench clean-venv
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py requirements/cpu.txt requirements/constraints.txt $(wildcard csrc/*.cpp)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel
+	$(PIP) install torch==2.13.0
+	$(PIP) install $(CONSTRAINTS) -r requirements/cpu.txt
+	# deepspeed builds against the installed torch; with build isolation it records torch 0.0
+	$(PIP) install $(CONSTRAINTS) --no-build-isolation deepspeed==0.19.6
+	# openrlhf pins flash-attn, which cannot build on CPU: install it without its deps (they are above)
+	$(PIP) install --no-deps openrlhf==0.11.2
+	$(PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .
+	touch $@
+
+demo: install
+	$(BIN)/python -m openrlhf_lopti demo $(DEMO_ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+bench: install
+	$(BIN)/python benchmarks/bench_policy_loss.py
+
+clean-venv:
+	rm -rf $(VENV)

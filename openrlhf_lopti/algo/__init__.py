@@ -1,0 +1,30 @@
+"""The method as plain torch: AR weights, Lopti phases, the per-token policy loss (single source of truth).
+
+Nothing here imports ray, deepspeed, vllm or openrlhf.
+"""
+
+from .advantage import ar_weight, check_alpha, reweight_advantages
+from .lopti import LOPTI_ORDERS, check_lopti_args, lopti_phases
+from .policy_loss import (
+    KL_ESTIMATORS,
+    PolicyLossOutput,
+    approx_kl,
+    policy_loss_from_logits,
+    policy_loss_from_logp,
+    token_logprobs,
+)
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "LOPTI_ORDERS",
+    "PolicyLossOutput",
+    "approx_kl",
+    "ar_weight",
+    "check_alpha",
+    "check_lopti_args",
+    "lopti_phases",
+    "policy_loss_from_logits",
+    "policy_loss_from_logp",
+    "reweight_advantages",
+    "token_logprobs",
+]

@@ -1,0 +1,57 @@
+"""Advantage Reweighting (AR, paper Eq. 4): scale each token's advantage by its sampling probability."""
+
+import torch
+
+
+def check_alpha(alpha: float) -> float:
+    """Return ``alpha`` as a float, or raise ``ValueError`` unless it is a number in [0, 1]."""
+    try:
+        value = float(alpha)
+    except (TypeError, ValueError):
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}") from None
+    if not 0.0 <= value <= 1.0:  # also rejects NaN
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    return value
+
+
+def ar_weight(old_log_probs: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The AR weight ``alpha * exp(old_log_probs) + 1 - alpha``, detached, in fp32.
+
+    Args:
+        old_log_probs: log-probabilities of the sampled tokens under the rollout policy, any shape, nats.
+        alpha: AR strength in [0, 1]; 0 gives a weight of exactly 1 (plain GRPO / PPO).
+
+    Returns:
+        Tensor of ``old_log_probs``' shape with values in [1 - alpha, 1], fp32 (fp64 for fp64 input).
+    """
+    alpha = check_alpha(alpha)
+    # The weight is a constant of the batch: the authors' code takes p from the sampling policy, no gradient.
+    p = old_log_probs.detach().to(torch.promote_types(old_log_probs.dtype, torch.float32)).exp()
+    return alpha * p + (1.0 - alpha)
+
+
+def reweight_advantages(advantages: torch.Tensor, old_log_probs: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Advantage Reweighting: ``A' = A * (alpha * exp(old_log_probs) + 1 - alpha)``.
+
+    Low-probability tokens have the largest logit gradients (paper Prop. 4.2); shrinking their advantage
+    lets high-probability tokens steer the update. Positive and negative advantages are scaled alike.
+
+    Args:
+        advantages: ``[...]`` per-token advantages (any shape, any float dtype).
+        old_log_probs: ``[...]`` same shape, log-probs of the sampled tokens under the rollout policy (nats).
+        alpha: in [0, 1]; 0 returns the advantages unchanged (in value).
+
+    Returns:
+        Tensor of ``advantages``' shape and dtype. The weight carries no gradient; ``advantages`` may.
+
+    Raises:
+        ValueError: ``alpha`` outside [0, 1], or shapes that differ.
+    """
+    if advantages.shape != old_log_probs.shape:
+        raise ValueError(
+            f"advantages and old_log_probs must have the same shape, got {tuple(advantages.shape)} "
+            f"and {tuple(old_log_probs.shape)}"
+        )
+    weight = ar_weight(old_log_probs, alpha)
+    compute_dtype = torch.promote_types(advantages.dtype, weight.dtype)
+    return (advantages.to(compute_dtype) * weight.to(compute_dtype)).to(advantages.dtype)

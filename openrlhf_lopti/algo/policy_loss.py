@@ -1,0 +1,192 @@
+"""The per-token policy loss, in plain torch: the single source of truth every kernel is tested against.
+
+Per response token (all fp32, nats):
+
+    A'      = A * (alpha * exp(old) + 1 - alpha)                  # AR weight, detached
+    ratio   = exp(clamp(logp - old, -20, 20))
+    surr1   = ratio * A'
+    surr2   = clamp(ratio, 1 - eps_low, 1 + eps_high) * A'
+    pg      = -min(surr1, surr2)                                  # PPO clip, DAPO clip-higher
+    pg      = -max(min(surr1, surr2), dual_clip * A')  if dual_clip and A' < 0
+    kl      = clamp(estimator(logp - ref), -10, 10)               # OpenRLHF's k1 / k2 / k3
+    loss    = mask * (pg + kl_coef * kl)
+    clipped = mask & (surr2 < surr1)
+
+With alpha = 0 this is, token for token, OpenRLHF 0.11.2's ``PolicyLoss`` (``policy_loss_type="ppo"``,
+no IS correction) plus ``kl_coef * compute_approx_kl`` before aggregation; ``tests/test_algo_policy_loss.py``
+checks that against the installed openrlhf.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .advantage import ar_weight
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOG_RATIO_CLAMP = 20.0  # OpenRLHF clamps log(pi/pi_old) before exp
+KL_CLAMP = 10.0  # OpenRLHF clamps the KL estimate to [-10, 10]
+
+
+@dataclass
+class PolicyLossOutput:
+    """Per-token results of the policy loss; the caller aggregates (token mean, sequence mean, ...).
+
+    Fields are ``[N]`` (or the input's leading shape). ``loss`` is 0 where the mask is 0 and includes
+    ``kl_coef * kl``; ``logp``, ``kl`` and ``entropy`` are 0 where the mask is 0 too (those rows are
+    skipped). ``kl`` and ``clipped`` are for logging and carry no gradient; gradients reach the logits
+    through ``loss``, ``logp`` and ``entropy``.
+    """
+
+    loss: torch.Tensor
+    logp: torch.Tensor
+    kl: torch.Tensor
+    clipped: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
+
+
+def approx_kl(logp: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """OpenRLHF's KL estimate between the current and the reference policy, per token, clamped to [-10, 10].
+
+    Args:
+        logp: ``[...]`` log-probs of the sampled tokens under the current policy (nats).
+        ref_log_probs: same shape, under the reference policy.
+        estimator: ``"k1"`` (log ratio), ``"k2"`` (half squared log ratio) or ``"k3"``
+            (``exp(-x) - 1 + x`` with ``x = logp - ref``, the paper's low-variance KL).
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    log_ratio = logp.float() - ref_log_probs.float()
+    if estimator == "k1":
+        value = log_ratio
+    elif estimator == "k2":
+        value = log_ratio**2 / 2.0
+    else:
+        log_ratio = log_ratio.clamp(min=-KL_CLAMP)  # beyond -10 k3 exceeds the cap anyway; keeps exp finite
+        value = (-log_ratio).exp() - 1 + log_ratio
+    return value.clamp(min=-KL_CLAMP, max=KL_CLAMP)
+
+
+def policy_loss_from_logp(
+    logp: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    *,
+    ref_log_probs: Optional[torch.Tensor] = None,
+    alpha: float = 0.0,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: Optional[float] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+) -> PolicyLossOutput:
+    """Per-token clipped surrogate with AR weight and KL, from the sampled tokens' log-probs.
+
+    Args:
+        logp: ``[...]`` current-policy log-probs of the sampled tokens (nats); gradients flow through it.
+        old_log_probs: same shape, rollout-policy log-probs (the PPO anchor and the AR probability).
+        advantages: same shape, per-token advantages.
+        mask: same shape, bool or 0/1; None means all ones.
+        ref_log_probs: same shape, reference-policy log-probs; required when ``kl_coef != 0``.
+        alpha: AR strength in [0, 1] (0 = plain PPO/GRPO).
+        eps_low, eps_high: clip range ``[1 - eps_low, 1 + eps_high]`` of the ratio.
+        dual_clip: lower bound ``dual_clip * A'`` on the surrogate of negative advantages (> 1), or None.
+        kl_coef: weight of the KL term folded into ``loss``.
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+        :class:`PolicyLossOutput` with fp32 ``loss``, ``logp`` (masked copy of the input), ``kl``,
+        bool ``clipped``; ``entropy`` is None.
+    """
+    logp = logp.float()
+    keep = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask.bool()
+    weighted_adv = advantages.float() * ar_weight(old_log_probs, alpha)
+
+    log_ratio = (logp - old_log_probs.float()).clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
+    surr1 = ratio * weighted_adv
+    surr2 = ratio.clamp(1 - eps_low, 1 + eps_high) * weighted_adv
+    surrogate = torch.min(surr1, surr2)
+    if dual_clip is not None:
+        surrogate = torch.where(weighted_adv < 0, torch.max(surrogate, dual_clip * weighted_adv), surrogate)
+    loss = -surrogate
+
+    if ref_log_probs is not None:
+        kl = approx_kl(logp, ref_log_probs, kl_estimator)
+    else:
+        if kl_coef != 0:
+            raise ValueError("ref_log_probs is required when kl_coef != 0")
+        kl = torch.zeros_like(logp)
+    if kl_coef != 0:
+        loss = loss + kl_coef * kl
+
+    zero = logp.new_zeros(())
+    return PolicyLossOutput(
+        loss=torch.where(keep, loss, zero),
+        logp=torch.where(keep, logp, zero),
+        kl=torch.where(keep, kl, zero).detach(),
+        clipped=(surr2 < surr1) & keep,
+    )
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> tuple:
+    """Log-prob of each label and the entropy of each row of ``softmax(logits / temperature)``, in fp32.
+
+    Args:
+        logits: ``[N, V]`` in any float dtype.
+        labels: ``[N]`` integer token ids; ids outside ``[0, V)`` are clamped (only masked-out rows may
+            carry them, e.g. -100 padding; ``ops.fused_policy_loss`` validates the others).
+        temperature: > 0; the sampling temperature the rollout used.
+
+    Returns:
+        ``(logp [N], entropy [N])`` fp32 tensors, differentiable w.r.t. ``logits``.
+    """
+    log_softmax = torch.log_softmax(logits.float() / temperature, dim=-1)
+    index = labels.long().clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+    logp = log_softmax.gather(-1, index).squeeze(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    return logp, entropy
+
+
+def policy_loss_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    *,
+    ref_log_probs: Optional[torch.Tensor] = None,
+    alpha: float = 0.0,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: Optional[float] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> PolicyLossOutput:
+    """The whole loss head from logits, eager torch: the reference of ``ops.fused_policy_loss``.
+
+    Materialises fp32 ``[N, V]`` temporaries; the fused kernels compute the same numbers without them.
+    Shapes: ``logits [N, V]``, every other tensor ``[N]``. Masked rows give 0 in every output field and
+    no gradient. Other arguments as :func:`policy_loss_from_logp`.
+    """
+    logp, entropy = token_logprobs(logits, labels, temperature)
+    out = policy_loss_from_logp(
+        logp,
+        old_log_probs,
+        advantages,
+        mask,
+        ref_log_probs=ref_log_probs,
+        alpha=alpha,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=dual_clip,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+    )
+    if return_entropy:
+        out.entropy = entropy if mask is None else torch.where(mask.bool(), entropy, entropy.new_zeros(()))
+    return out

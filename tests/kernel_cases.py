@@ -1,0 +1,148 @@
+"""The shared test grid for every ``fused_policy_loss`` backend: inputs, options, and the comparison with the
+torch reference (``openrlhf_lopti.algo.policy_loss_from_logits``), forward and backward.
+
+Each backend's test file parametrizes over ``CASES`` (or a subset, for slow interpreter runs) and calls
+``check_backend_matches_reference``.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from openrlhf_lopti.algo import policy_loss_from_logits
+from openrlhf_lopti.ops import fused_policy_loss
+
+
+@dataclass(frozen=True)
+class Case:
+    n: int = 8
+    v: int = 96
+    dtype: torch.dtype = torch.float32
+    temperature: float = 1.0
+    alpha: float = 0.0
+    kl: Optional[str] = None  # None: no KL; else the estimator, with kl_coef 0.05
+    dual_clip: Optional[float] = None
+    entropy: bool = False
+    eps_high: float = 0.28
+    masked_fraction: float = 0.25
+    seed: int = 0
+    options: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return (
+            f"n{self.n}-v{self.v}-{dt}-T{self.temperature}-a{self.alpha}-kl{self.kl}"
+            f"-dc{self.dual_clip}-ent{int(self.entropy)}-m{self.masked_fraction}"
+        )
+
+
+CASES = [
+    Case(),
+    Case(v=257),  # V not a multiple of any block size
+    Case(dtype=torch.bfloat16, v=130),
+    Case(dtype=torch.float16, v=130),
+    Case(temperature=0.7),
+    Case(alpha=0.3, kl="k3"),
+    Case(alpha=1.0, kl="k1", entropy=True),
+    Case(kl="k2", dual_clip=3.0),
+    Case(dual_clip=3.0, entropy=True, temperature=1.3, dtype=torch.bfloat16),
+    Case(n=1, v=33, masked_fraction=0.0),  # one token
+    Case(masked_fraction=1.0, entropy=True, kl="k3"),  # all masked: zero loss, zero gradient
+    Case(n=37, v=1000, alpha=0.3, kl="k3", entropy=True, seed=3),
+]
+
+
+def make_inputs(case: Case, device: str = "cpu") -> dict:
+    """Random inputs for one case: logits with a realistic spread, old log-probs near the current policy
+    (so some ratios clip and some do not), mixed-sign advantages, a mask with ``masked_fraction`` zeros."""
+    g = torch.Generator().manual_seed(case.seed)
+    n, v = case.n, case.v
+    logits = (torch.randn(n, v, generator=g) * 3.0).to(case.dtype)
+    labels = torch.randint(0, v, (n,), generator=g)
+    # Put some labels on the argmax so high-probability tokens appear too.
+    top = logits.float().argmax(-1)
+    labels = torch.where(torch.rand(n, generator=g) < 0.4, top, labels)
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.float() / case.temperature, -1).gather(-1, labels[:, None]).squeeze(-1)
+    old = logp + torch.randn(n, generator=g) * 0.3
+    ref = logp + torch.randn(n, generator=g) * 0.5
+    adv = torch.randn(n, generator=g)
+    mask = torch.rand(n, generator=g) >= case.masked_fraction
+    if case.masked_fraction == 0.0:
+        mask[:] = True
+    # Masked rows may hold ids outside [0, V) (padding); the backends must not read them.
+    labels = torch.where(mask, labels, torch.full_like(labels, -100))
+    return {
+        "logits": logits.to(device),
+        "labels": labels.to(device),
+        "old_log_probs": old.to(device),
+        "advantages": adv.to(device),
+        "mask": mask.to(device),
+        "ref_log_probs": ref.to(device) if case.kl else None,
+    }
+
+
+def options(case: Case) -> dict:
+    return dict(
+        alpha=case.alpha,
+        eps_low=0.2,
+        eps_high=case.eps_high,
+        dual_clip=case.dual_clip,
+        kl_coef=0.05 if case.kl else 0.0,
+        kl_estimator=case.kl or "k3",
+        temperature=case.temperature,
+        return_entropy=case.entropy,
+        **case.options,
+    )
+
+
+def _run(fn, inputs: dict, opts: dict, upstream: dict):
+    logits = inputs["logits"].detach().clone().requires_grad_(True)
+    out = fn(
+        logits,
+        inputs["labels"],
+        inputs["old_log_probs"],
+        inputs["advantages"],
+        inputs["mask"],
+        ref_log_probs=inputs["ref_log_probs"],
+        **opts,
+    )
+    total = (out.loss * upstream["loss"]).sum() + (out.logp * upstream["logp"]).sum()
+    if out.entropy is not None:
+        total = total + (out.entropy * upstream["entropy"]).sum()
+    total.backward()
+    return out, logits.grad
+
+
+def tolerances(dtype: torch.dtype) -> dict:
+    """Forward outputs are fp32 in every backend; gradients come back in the logits' dtype."""
+    if dtype == torch.float32:
+        return {"fwd": dict(rtol=1e-5, atol=1e-5), "grad": dict(rtol=1e-4, atol=1e-6)}
+    return {"fwd": dict(rtol=1e-4, atol=1e-4), "grad": dict(rtol=2e-2, atol=2e-3)}
+
+
+def check_backend_matches_reference(case: Case, backend: str, device: str = "cpu") -> None:
+    """Forward fields and ``d(sum of weighted outputs)/d logits`` of ``backend`` equal the reference's."""
+    inputs = make_inputs(case, device)
+    g = torch.Generator().manual_seed(case.seed + 1)
+    upstream = {k: torch.randn(case.n, generator=g).to(device) for k in ("loss", "logp", "entropy")}
+    opts = options(case)
+    ref_out, ref_grad = _run(policy_loss_from_logits, inputs, opts, upstream)
+    out, grad = _run(lambda *a, **k: fused_policy_loss(*a, backend=backend, **k), inputs, opts, upstream)
+
+    tol = tolerances(case.dtype)
+    for name in ("loss", "logp", "kl"):
+        got, want = getattr(out, name), getattr(ref_out, name)
+        assert got.dtype == torch.float32, f"{name} dtype {got.dtype}"
+        torch.testing.assert_close(got, want.detach(), **tol["fwd"], msg=lambda m: f"{name}: {m}")
+    assert torch.equal(out.clipped.cpu(), ref_out.clipped.cpu()), "clipped flags differ"
+    if case.entropy:
+        torch.testing.assert_close(out.entropy, ref_out.entropy.detach(), **tol["fwd"])
+    else:
+        assert out.entropy is None
+    assert grad is not None and grad.dtype == case.dtype and grad.shape == inputs["logits"].shape
+    torch.testing.assert_close(grad.float(), ref_grad.float(), **tol["grad"])
+    masked_rows = ~inputs["mask"]
+    assert torch.all(grad[masked_rows] == 0), "masked rows must get exactly zero gradient"
+    assert torch.all(torch.isfinite(grad.float()))

@@ -1,0 +1,132 @@
+"""Lopti's token partition: low = exp(old) < eta, high = the rest of the masked tokens, in update order."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openrlhf_lopti.algo import lopti_phases
+
+
+def _probs_to_logp(p):
+    return torch.tensor(p).log()
+
+
+def test_low_first_by_hand():
+    old = _probs_to_logp([[0.1, 0.5, 0.9, 0.49], [0.2, 0.7, 0.3, 0.3]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    low, high = lopti_phases(old, mask, eta=0.5)
+    assert low.tolist() == [[True, False, False, True], [True, False, False, False]]
+    assert high.tolist() == [[False, True, True, False], [False, True, False, False]]
+
+
+def test_high_first_is_the_reverse_order():
+    old = -torch.rand(4, 7) * 3
+    mask = torch.rand(4, 7) > 0.3
+    low, high = lopti_phases(old, mask, eta=0.4)
+    first, second = lopti_phases(old, mask, eta=0.4, order="high_first")
+    assert torch.equal(first, high) and torch.equal(second, low)
+
+
+def test_masks_are_bool_disjoint_and_cover_the_action_mask():
+    old = -torch.rand(5, 9) * 4
+    mask = (torch.rand(5, 9) > 0.5).float()  # float masks are accepted
+    low, high = lopti_phases(old, mask)
+    assert low.dtype == torch.bool and high.dtype == torch.bool
+    assert not torch.any(low & high)
+    assert torch.equal(low | high, mask.bool())
+
+
+def test_none_mask_means_all_tokens():
+    old = _probs_to_logp([0.2, 0.8])
+    low, high = lopti_phases(old, None)
+    assert low.tolist() == [True, False] and high.tolist() == [False, True]
+
+
+def test_empty_phase_is_returned():
+    old = _probs_to_logp([0.9, 0.95, 0.99])
+    low, high = lopti_phases(old, torch.ones(3, dtype=torch.bool), eta=0.5)
+    assert low.sum() == 0 and high.sum() == 3
+
+
+def test_all_masked_gives_two_empty_phases():
+    old = -torch.rand(3, 4)
+    low, high = lopti_phases(old, torch.zeros(3, 4, dtype=torch.bool), quantile=0.5)
+    assert low.sum() == 0 and high.sum() == 0
+
+
+def test_one_token():
+    low, high = lopti_phases(torch.tensor([-0.1]), torch.tensor([True]), eta=0.5)
+    assert high.tolist() == [True] and low.tolist() == [False]
+
+
+def test_extreme_log_probs():
+    old = torch.tensor([-1e4, 0.0, -float("inf"), 1e-7])
+    low, high = lopti_phases(old, None, eta=1.0)
+    # eta=1: every token with p < 1 is low; p = 1 (log 0) and p > 1 from rounding are high.
+    assert low.tolist() == [True, False, True, False]
+
+
+def test_eta_one_puts_nearly_everything_low_and_tiny_eta_everything_high():
+    old = -torch.rand(50) * 3 - 1e-3
+    low, high = lopti_phases(old, None, eta=1.0)
+    assert low.all() and not high.any()
+    low, high = lopti_phases(old, None, eta=1e-6)
+    assert high.all() and not low.any()
+
+
+def test_unmasked_nan_is_ignored_but_masked_nan_is_an_error():
+    old = torch.tensor([-0.1, float("nan")])
+    lopti_phases(old, torch.tensor([True, False]))
+    with pytest.raises(ValueError, match="NaN"):
+        lopti_phases(old, torch.tensor([True, True]))
+
+
+def test_quantile_threshold_matches_torch_quantile():
+    old = -torch.rand(6, 40) * 5
+    mask = torch.rand(6, 40) > 0.2
+    q = 0.3
+    eta = torch.quantile(old.exp()[mask], q).item()
+    low, high = lopti_phases(old, mask, eta=0.5, quantile=q)
+    assert torch.equal(low, mask & (old.exp() < eta))
+    frac = low.sum().item() / mask.sum().item()
+    assert abs(frac - q) < 0.02
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"eta": 0.0}, "eta"),
+        ({"eta": -0.5}, "eta"),
+        ({"eta": 1.5}, "eta"),
+        ({"eta": float("nan")}, "eta"),
+        ({"eta": "0.5"}, "eta"),
+        ({"order": "low-first"}, "order"),
+        ({"quantile": 0.0}, "quantile"),
+        ({"quantile": 1.0}, "quantile"),
+        ({"quantile": float("nan")}, "quantile"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lopti_phases(torch.zeros(3), None, **kwargs)
+
+
+def test_shape_mismatch():
+    with pytest.raises(ValueError, match="action_mask"):
+        lopti_phases(torch.zeros(3), torch.ones(4, dtype=torch.bool))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    p=st.lists(st.floats(0, 1), min_size=1, max_size=20),
+    eta=st.floats(1e-6, 1.0),
+    data=st.data(),
+)
+def test_partition_property(p, eta, data):
+    old = torch.tensor(p, dtype=torch.float64).log()
+    mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=len(p), max_size=len(p))))
+    low, high = lopti_phases(old, mask, eta=eta)
+    assert torch.equal(low | high, mask) and not torch.any(low & high)
+    probs = old.exp()  # what the partition sees (exp(log p) may round away from p)
+    assert torch.all(probs[low] < eta) and torch.all(probs[high] >= eta)

@@ -1,0 +1,193 @@
+"""The per-token policy-loss reference against OpenRLHF 0.11.2's own functions (the installed package).
+
+With alpha = 0 our per-token loss, token-mean aggregated, must equal openrlhf's ``PolicyLoss`` (ppo type, no
+IS correction), our KL must equal ``compute_approx_kl``, and our log-probs ``log_probs_from_logits``;
+values and gradients, to fp32 precision.
+"""
+
+import pytest
+import torch
+
+from openrlhf_lopti.algo import (
+    approx_kl,
+    policy_loss_from_logits,
+    policy_loss_from_logp,
+    reweight_advantages,
+    token_logprobs,
+)
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    # openrlhf.models imports flash-attn at module top; on CPU our stand-ins let it import (see cpu_stubs).
+    from openrlhf_lopti.openrlhf.cpu_stubs import install_cpu_stubs
+
+    install_cpu_stubs()
+    from openrlhf.models.loss import PolicyLoss, aggregate_loss
+    from openrlhf.models.utils import compute_approx_kl, log_probs_from_logits
+
+    return {
+        "PolicyLoss": PolicyLoss,
+        "aggregate_loss": aggregate_loss,
+        "compute_approx_kl": compute_approx_kl,
+        "log_probs_from_logits": log_probs_from_logits,
+    }
+
+
+def _batch(seed=0, b=4, t=9, spread=0.4):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(b, t, generator=g, dtype=torch.float32) * 4
+    old = logp + torch.randn(b, t, generator=g) * spread
+    ref = logp + torch.randn(b, t, generator=g) * spread
+    adv = torch.randn(b, t, generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.25
+    mask[:, 0] = True
+    return logp, old, ref, adv, mask
+
+
+def _token_mean(x, mask):
+    return (x * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("eps_low, eps_high, dual_clip", [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.3, 3.0)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_alpha_zero_equals_openrlhf_policy_loss(upstream, eps_low, eps_high, dual_clip, seed):
+    logp, old, _, adv, mask = _batch(seed)
+    ours_logp = logp.clone().requires_grad_(True)
+    theirs_logp = logp.clone().requires_grad_(True)
+
+    out = policy_loss_from_logp(ours_logp, old, adv, mask, alpha=0.0, eps_low=eps_low, eps_high=eps_high,
+                                dual_clip=dual_clip)  # fmt: skip
+    ours = _token_mean(out.loss, mask)
+    loss_fn = upstream["PolicyLoss"](clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip=dual_clip)
+    theirs, clip_ratio, *_ = loss_fn(theirs_logp, old, adv, action_mask=mask)
+
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(_token_mean(out.clipped.float(), mask), clip_ratio)
+    ours.backward()
+    theirs.backward()
+    torch.testing.assert_close(ours_logp.grad, theirs_logp.grad, rtol=1e-6, atol=1e-8)
+    assert clip_ratio > 0, "the batch must exercise the clip"
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.3, 1.0])
+def test_ar_equals_openrlhf_loss_on_reweighted_advantages(upstream, alpha):
+    logp, old, _, adv, mask = _batch(3)
+    ours_logp = logp.clone().requires_grad_(True)
+    theirs_logp = logp.clone().requires_grad_(True)
+    ours = _token_mean(policy_loss_from_logp(ours_logp, old, adv, mask, alpha=alpha).loss, mask)
+    theirs = upstream["PolicyLoss"]()(theirs_logp, old, reweight_advantages(adv, old, alpha), action_mask=mask)[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    ours.backward()
+    theirs.backward()
+    torch.testing.assert_close(ours_logp.grad, theirs_logp.grad, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_equals_openrlhf_compute_approx_kl(upstream, estimator):
+    logp, _, ref, _, _ = _batch(4, spread=3.0)
+    # include the clamp regions of every estimator
+    logp = torch.cat([logp.flatten(), torch.tensor([-30.0, 0.0, -1e4, -0.5])])
+    ref = torch.cat([ref.flatten(), torch.tensor([0.0, -30.0, 0.0, -1e4])])
+    a = logp.clone().requires_grad_(True)
+    b = logp.clone().requires_grad_(True)
+    ours = approx_kl(a, ref, estimator)
+    theirs = upstream["compute_approx_kl"](b, ref, kl_estimator=estimator)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    ours.sum().backward()
+    theirs.sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def test_kl_term_in_loss_matches_openrlhf_actor_sum(upstream):
+    # OpenRLHF's actor: loss = PolicyLoss + kl_coef * aggregate_loss(kl, mask)
+    logp, old, ref, adv, mask = _batch(5)
+    kl_coef = 0.01
+    ours_logp = logp.clone().requires_grad_(True)
+    theirs_logp = logp.clone().requires_grad_(True)
+    out = policy_loss_from_logp(ours_logp, old, adv, mask, ref_log_probs=ref, kl_coef=kl_coef, kl_estimator="k3")
+    ours = _token_mean(out.loss, mask)
+    pg = upstream["PolicyLoss"]()(theirs_logp, old, adv, action_mask=mask)[0]
+    kl = upstream["compute_approx_kl"](theirs_logp, ref, kl_estimator="k3")
+    theirs = pg + kl_coef * upstream["aggregate_loss"](kl, mask)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(_token_mean(out.kl, mask), upstream["aggregate_loss"](kl, mask).detach())
+    ours.backward()
+    theirs.backward()
+    torch.testing.assert_close(ours_logp.grad, theirs_logp.grad, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_equals_openrlhf_log_probs_from_logits(upstream, dtype, temperature):
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(3, 5, 50, generator=g) * 2).to(dtype)
+    labels = torch.randint(0, 50, (3, 5), generator=g)
+    ours, _ = token_logprobs(logits.reshape(-1, 50), labels.reshape(-1), temperature)
+    theirs = upstream["log_probs_from_logits"](logits.clone(), labels, temperature=temperature)
+    # openrlhf computes bf16 log-softmax in bf16; we compute in fp32 from the same bf16 values.
+    tol = dict(rtol=1e-6, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(ours.reshape(3, 5), theirs.float(), **tol)
+
+
+def test_entropy_matches_definition():
+    logits = torch.randn(4, 30)
+    _, entropy = token_logprobs(logits, torch.zeros(4, dtype=torch.long), temperature=0.5)
+    p = torch.softmax(logits / 0.5, -1)
+    torch.testing.assert_close(entropy, -(p * p.log()).sum(-1))
+
+
+def test_extreme_log_probs_stay_finite(upstream):
+    logp = torch.tensor([-1e4, 0.0, -50.0, -1e-8]).requires_grad_(True)
+    old = torch.tensor([0.0, -1e4, -1e-8, -50.0])
+    adv = torch.tensor([1.0, -1.0, 2.0, -2.0])
+    out = policy_loss_from_logp(logp, old, adv, ref_log_probs=old, kl_coef=0.1, dual_clip=3.0)
+    assert torch.isfinite(out.loss).all() and torch.isfinite(out.kl).all()
+    out.loss.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+    theirs = upstream["PolicyLoss"](dual_clip=3.0)(logp.detach(), old, adv, action_mask=torch.ones(4))[0]
+    pg_only = policy_loss_from_logp(logp.detach(), old, adv, dual_clip=3.0).loss.mean()
+    torch.testing.assert_close(pg_only, theirs)
+
+
+def test_one_token():
+    out = policy_loss_from_logp(torch.tensor([-0.5]), torch.tensor([-0.5]), torch.tensor([2.0]), torch.tensor([1]))
+    torch.testing.assert_close(out.loss, torch.tensor([-2.0]))  # ratio 1: loss = -A
+    assert out.clipped.tolist() == [False]
+
+
+def test_masked_tokens_are_zero_with_zero_gradient():
+    logits = torch.randn(5, 11, requires_grad=True)
+    labels = torch.tensor([1, 2, -100, 4, 99])  # masked rows may hold padding ids
+    mask = torch.tensor([True, True, False, True, False])
+    out = policy_loss_from_logits(logits, labels.clamp(max=10) * mask + labels * ~mask, torch.full((5,), -2.0),
+                                  torch.randn(5), mask, ref_log_probs=torch.zeros(5), kl_coef=0.1,
+                                  return_entropy=True)  # fmt: skip
+    for field in (out.loss, out.logp, out.kl, out.entropy):
+        assert torch.all(field[~mask] == 0)
+    assert not out.clipped[~mask].any()
+    (out.loss.sum() + out.entropy.sum()).backward()
+    assert torch.all(logits.grad[~mask] == 0) and torch.all(logits.grad[mask].abs().sum(-1) > 0)
+
+
+def test_all_masked_gives_zero_loss_and_gradient():
+    logits = torch.randn(3, 7, requires_grad=True)
+    out = policy_loss_from_logits(logits, torch.zeros(3, dtype=torch.long), torch.zeros(3), torch.ones(3),
+                                  torch.zeros(3, dtype=torch.bool), return_entropy=True)  # fmt: skip
+    (out.loss.sum() + out.entropy.sum()).backward()
+    assert out.loss.abs().sum() == 0 and logits.grad.abs().sum() == 0
+
+
+def test_kl_coef_without_reference_is_an_error():
+    with pytest.raises(ValueError, match="ref_log_probs"):
+        policy_loss_from_logp(torch.zeros(2), torch.zeros(2), torch.ones(2), kl_coef=0.1)
+
+
+def test_unknown_kl_estimator():
+    with pytest.raises(ValueError, match="kl_estimator"):
+        approx_kl(torch.zeros(2), torch.zeros(2), "k4")
+
+
+def test_bad_alpha_in_loss():
+    with pytest.raises(ValueError, match="alpha"):
+        policy_loss_from_logp(torch.zeros(2), torch.zeros(2), torch.ones(2), alpha=2.0)
