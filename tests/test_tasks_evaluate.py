@@ -1,0 +1,124 @@
+"""Evaluation: K&K accuracy per number of people, math per benchmark, the CLI, local generation."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from openrlhf_lopti.tasks import evaluate, kk
+
+P3 = [kk.generate(3, s) for s in range(2)]
+P5 = kk.generate(5, 0)
+
+
+def right(p):
+    return f"<think>ok</think><answer>{p['solution_text_format']}</answer>"
+
+
+def wrong(p):
+    flipped = p["solution_text_format"].replace("knight", "\0").replace("knave", "knight").replace("\0", "knave")
+    return f"<think>ok</think><answer>{flipped}</answer>"
+
+
+def test_kk_accuracy_per_number_of_people_avg_at_k():
+    records = [
+        {"label": P3[0]["solution_text_format"], "num_people": 3, "responses": [right(P3[0]), wrong(P3[0])]},
+        {"label": P3[1]["solution_text_format"], "num_people": 3, "responses": [right(P3[1]), "garbage"]},
+        # num_people read from the label when absent; one line per sample, merged by id
+        {"id": "q5", "label": P5["solution_text_format"], "response": wrong(P5)},
+        {"id": "q5", "label": P5["solution_text_format"], "response": wrong(P5)},
+    ]
+    res = evaluate.evaluate(records, "kk")
+    g3, g5 = res["groups"]["3"], res["groups"]["5"]
+    assert list(res["groups"]) == ["3", "5"]
+    assert (g3["prompts"], g3["samples"], g3["metric"]) == (2, 4, "avg@2")
+    assert g3["accuracy"] == 0.5 and g3["pass@2"] == 1.0
+    assert g3["format_rate"] == 0.75 and g3["mean_reward"] == (3.0 - 0.5 + 3.0 - 3.0) / 4
+    assert (g5["prompts"], g5["accuracy"], g5["pass@2"], g5["mean_reward"]) == (1, 0.0, 0.0, -0.5)
+    assert res["average"] == 0.25  # mean over sizes, as in the paper's table
+    table = evaluate.format_table(res)
+    assert table.splitlines()[0].split()[:4] == ["num_people", "prompts", "metric", "accuracy"]
+    assert "average" in table.splitlines()[-1] and "0.2500" in table
+
+
+def test_math_greedy_and_avg_at_k_per_benchmark():
+    records = [
+        {"benchmark": "math500", "label": "2", "response": "\\boxed{2}"},
+        {"benchmark": "math500", "label": "\\frac12", "response": "0.5"},  # no box
+        {"benchmark": "aime24", "label": "7", "responses": ["\\boxed{7}", "\\boxed{8}", "\\boxed{7}", "?"]},
+        {"datasource": "amc", "prompt": "p2", "label": "1", "responses": ["\\boxed{1}"] * 4},
+    ]
+    res = evaluate.evaluate(records, "math")
+    assert list(res["groups"]) == ["aime24", "amc", "math500"]
+    m500, aime = res["groups"]["math500"], res["groups"]["aime24"]
+    assert (m500["metric"], m500["accuracy"], m500["boxed_rate"]) == ("greedy", 0.5, 0.5)
+    assert (aime["metric"], aime["accuracy"], aime["pass@4"], aime["boxed_rate"]) == ("avg@4", 0.5, 1.0, 0.75)
+    assert res["groups"]["amc"]["accuracy"] == 1.0
+    assert res["average"] == pytest.approx((0.5 + 0.5 + 1.0) / 3)
+
+
+def test_evaluate_rejects_bad_input():
+    with pytest.raises(ValueError):
+        evaluate.evaluate([{"label": "x"}], "kk")
+    with pytest.raises(ValueError):
+        evaluate.evaluate([{"response": "x"}], "math")
+    with pytest.raises(ValueError):
+        evaluate.evaluate([], "chess")
+
+
+def test_main_on_a_generations_file(tmp_path, capsys):
+    gens = tmp_path / "gens.jsonl"
+    rows = [{"label": p["solution_text_format"], "num_people": 3, "response": right(p)} for p in P3]
+    gens.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert evaluate.main(["--task", "kk", "--generations", str(gens)]) == 0
+    results = json.loads((tmp_path / "gens.kk_eval.json").read_text())
+    assert results["groups"]["3"]["accuracy"] == 1.0
+    assert "1.0000" in capsys.readouterr().out
+    out = tmp_path / "sub" / "r.json"
+    evaluate.main(["--task", "kk", "--generations", str(gens), "--out", str(out), "--limit", "1"])
+    assert json.loads(out.read_text())["groups"]["3"]["prompts"] == 1
+
+
+@pytest.mark.parametrize("module", ["openrlhf_lopti.tasks.evaluate", "openrlhf_lopti.tasks.data"])
+def test_runnable_as_module(module):
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage:" in proc.stdout
+
+
+def _tiny_model(path):
+    """A 1-layer Llama with a character tokenizer, built offline."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {"<unk>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
+    cfg = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=1, bos_token_id=1, pad_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+def test_main_with_a_local_model(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    _tiny_model(tmp_path / "model")
+    prompts = tmp_path / "test.jsonl"
+    recs = [{"prompt": kk.make_prompt(p), "label": p["solution_text_format"], "num_people": 3} for p in P3]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    gens, out = tmp_path / "gens.jsonl", tmp_path / "res.json"
+    argv = ["--task", "kk", "--model", str(tmp_path / "model"), "--data", str(prompts), "--n-samples", "2"]
+    argv += ["--max-new-tokens", "4", "--save-generations", str(gens), "--out", str(out)]
+    assert evaluate.main(argv) == 0
+    saved = [json.loads(line) for line in gens.read_text().splitlines()]
+    assert [len(r["responses"]) for r in saved] == [2, 2]
+    assert all(isinstance(s, str) and len(s) <= 4 for r in saved for s in r["responses"])
+    res = json.loads(out.read_text())
+    assert res["groups"]["3"]["samples"] == 4 and res["groups"]["3"]["accuracy"] == 0.0  # a random model
