@@ -4,6 +4,7 @@ Each command lives in its own module and is imported only when run, so ``--help`
 """
 
 import importlib
+import os
 import sys
 from typing import Optional
 
@@ -34,7 +35,15 @@ def main(argv: Optional[list] = None) -> int:
     if name not in COMMANDS:
         print(f"openrlhf-lopti: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    module_name = COMMANDS[name][0]
+    if module_name.startswith("benchmarks."):
+        # benchmarks/ sits beside the package in a source checkout and is not installed with it.
+        repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        if not os.path.isdir(os.path.join(repo_root, "benchmarks")):
+            print("openrlhf-lopti: `bench` needs a source checkout (benchmarks/ beside the package)", file=sys.stderr)
+            return 2
+        sys.path.insert(0, repo_root)
+    module = importlib.import_module(module_name)
     return int(module.main(rest) or 0)
 
 
