@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py requirements/cpu.txt requirements/constraints.txt $(wildcard csrc/*.cpp)
+$(VENV)/.installed: setup.py requirements/cpu.txt requirements/constraints.txt $(wildcard csrc/*.cpp csrc/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
 	$(PIP) install torch==2.13.0
@@ -32,6 +32,7 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_policy_loss.py
+	$(BIN)/python benchmarks/bench_cpu_policy_loss.py
 
 clean-venv:
 	rm -rf $(VENV)

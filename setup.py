@@ -33,11 +33,16 @@ def native_extensions():
             except Exception as exc:  # noqa: BLE001
                 print(f"openrlhf-lopti: C++ kernel not built ({exc}); falling back at run time", file=sys.stderr)
 
+    # No -march: the wheel must run on any x86-64 CPU; csrc/softmax_rows.cpp compiles its loops for
+    # AVX2 and AVX-512 too (per-function target attributes) and picks one at run time. OpenMP drives
+    # at::parallel_for (Apple clang has none: the kernel then runs single-threaded there).
+    # Keep in sync with _CFLAGS / _LDFLAGS in openrlhf_lopti/ops/cpp_policy_loss.py (the JIT fallback).
+    openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
     ext = CppExtension(
         name="openrlhf_lopti._C",
         sources=sources,
-        extra_compile_args=["-O3", "-fopenmp"],
-        extra_link_args=["-fopenmp"],
+        extra_compile_args=["-O3", "-Wno-psabi"] + openmp,
+        extra_link_args=openmp,
     )
     return [ext], {"build_ext": OptionalBuildExtension.with_options(use_ninja=True)}
 

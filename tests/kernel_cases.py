@@ -28,6 +28,11 @@ class Case:
     masked_fraction: float = 0.25
     seed: int = 0
     options: dict = field(default_factory=dict)
+    # Spread of old/ref log-probs around the current ones, and a constant added to every logit: large
+    # values drive ratios past the dual clip and the +-20 clamp, KL past its +-10 clamp, and test stability.
+    old_spread: float = 0.3
+    ref_spread: float = 0.5
+    logit_offset: float = 0.0
 
     def __str__(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
@@ -58,15 +63,15 @@ def make_inputs(case: Case, device: str = "cpu") -> dict:
     (so some ratios clip and some do not), mixed-sign advantages, a mask with ``masked_fraction`` zeros."""
     g = torch.Generator().manual_seed(case.seed)
     n, v = case.n, case.v
-    logits = (torch.randn(n, v, generator=g) * 3.0).to(case.dtype)
+    logits = (torch.randn(n, v, generator=g) * 3.0 + case.logit_offset).to(case.dtype)
     labels = torch.randint(0, v, (n,), generator=g)
     # Put some labels on the argmax so high-probability tokens appear too.
     top = logits.float().argmax(-1)
     labels = torch.where(torch.rand(n, generator=g) < 0.4, top, labels)
     with torch.no_grad():
         logp = torch.log_softmax(logits.float() / case.temperature, -1).gather(-1, labels[:, None]).squeeze(-1)
-    old = logp + torch.randn(n, generator=g) * 0.3
-    ref = logp + torch.randn(n, generator=g) * 0.5
+    old = logp + torch.randn(n, generator=g) * case.old_spread
+    ref = logp + torch.randn(n, generator=g) * case.ref_spread
     adv = torch.randn(n, generator=g)
     mask = torch.rand(n, generator=g) >= case.masked_fraction
     if case.masked_fraction == 0.0:

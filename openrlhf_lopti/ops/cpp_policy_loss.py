@@ -1,0 +1,224 @@
+"""C++ CPU backend of ``fused_policy_loss``: the ``torch.ops.openrlhf_lopti.policy_loss_fwd`` / ``_bwd`` ops
+from ``csrc/``, wrapped in an autograd function.
+
+The kernel is found, on first use, in this order: the extension ``setup.py`` built in place
+(``openrlhf_lopti._C``); else a JIT build of ``csrc/*.cpp`` with ``torch.utils.cpp_extension`` (cached in
+``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/openrlhf_lopti``; set ``OPENRLHF_LOPTI_NO_JIT=1`` to skip it);
+else :func:`cpp_available` is False, one warning says so, and ``backend="auto"`` uses the torch backend.
+"""
+
+import importlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..algo import PolicyLossOutput
+
+logger = logging.getLogger(__name__)
+
+# Keep in sync with native_extensions() in setup.py. No -march: the binary must run on any x86-64 CPU,
+# the kernels pick AVX2 / AVX-512 at run time (csrc/softmax_rows.cpp).
+_CFLAGS = ["-O3", "-Wno-psabi"] + ([] if sys.platform == "darwin" else ["-fopenmp"])
+_LDFLAGS = [] if sys.platform == "darwin" else ["-fopenmp"]
+_JIT_NAME = "openrlhf_lopti_cpu_kernels"
+
+_lock = threading.Lock()
+_error: Optional[str] = None  # why the kernel is unavailable; None while untried or once loaded
+_loaded = False
+_tried = False
+
+
+def _jit_build() -> None:
+    from torch.utils import cpp_extension
+
+    csrc = Path(__file__).resolve().parents[2] / "csrc"
+    sources = sorted(str(p) for p in csrc.glob("*.cpp"))
+    if not sources:
+        raise RuntimeError(f"no C++ sources in {csrc} (an install without csrc/)")
+    if shutil.which("ninja") is None:
+        try:  # the pip `ninja` package, when the venv's bin/ is not on PATH
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+    build_dir = None  # torch's default honours $TORCH_EXTENSIONS_DIR
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.split('+')[0]}"
+        build_dir = os.path.join(Path.home(), ".cache", "openrlhf_lopti", "torch_extensions", tag)
+        os.makedirs(build_dir, exist_ok=True)
+    logger.info("openrlhf_lopti: JIT-building the C++ policy-loss kernel from %s (first use only)", csrc)
+    cpp_extension.load(
+        name=_JIT_NAME,
+        sources=sources,
+        extra_cflags=_CFLAGS,
+        extra_ldflags=_LDFLAGS,
+        build_directory=build_dir,
+        is_python_module=False,  # loads the library: its TORCH_LIBRARY blocks register the ops
+        verbose=False,
+    )
+
+
+def _register_fakes() -> None:
+    # Shape-only versions of the ops, so torch.compile / FakeTensor tracing can see through them.
+    @torch.library.register_fake("openrlhf_lopti::policy_loss_fwd")
+    def _fwd_fake(logits, labels, old_log_probs, advantages, mask, ref_log_probs, alpha, eps_low, eps_high,
+                  dual_clip, kl_coef, kl_estimator, temperature, return_entropy):  # fmt: skip
+        n = logits.shape[0]
+        new = old_log_probs.new_empty
+        clipped = torch.empty(n, dtype=torch.bool, device=logits.device)
+        return new(n), new(n), new(n), clipped, new(n if return_entropy else 0), new((n, 4))
+
+    @torch.library.register_fake("openrlhf_lopti::policy_loss_bwd")
+    def _bwd_fake(logits, labels, mask, stats, grad_loss, grad_logp, grad_entropy, temperature):
+        return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _load() -> bool:
+    global _error, _loaded, _tried
+    with _lock:
+        if _tried:
+            return _loaded
+        _tried = True
+        reasons = []
+        try:
+            importlib.import_module("openrlhf_lopti._C")
+            _loaded = True
+        except ImportError as exc:
+            reasons.append(f"openrlhf_lopti._C: {exc}")
+        if not _loaded and os.environ.get("OPENRLHF_LOPTI_NO_JIT") == "1":
+            reasons.append("JIT build skipped (OPENRLHF_LOPTI_NO_JIT=1)")
+        elif not _loaded:
+            try:
+                _jit_build()
+                _loaded = True
+            except Exception as exc:  # noqa: BLE001  (no compiler, no csrc/, build error: all mean "fall back")
+                lines = str(exc).strip().splitlines()
+                reasons.append(f"JIT build failed: {lines[-1] if lines else repr(exc)}")
+        if _loaded and not hasattr(torch.ops.openrlhf_lopti, "policy_loss_fwd"):
+            _loaded = False
+            reasons.append("the library loaded but registered no openrlhf_lopti::policy_loss_fwd op")
+        if _loaded:
+            _register_fakes()
+        else:
+            _error = " ".join("; ".join(reasons).split())  # one line
+            warnings.warn(
+                f"openrlhf_lopti: C++ policy-loss kernel unavailable, using the torch backend ({_error})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return _loaded
+
+
+def cpp_available() -> bool:
+    """Whether the C++ kernel is loaded (building it by JIT on first call if needed; warns once if not)."""
+    return _load()
+
+
+def cpp_isa() -> str:
+    """The instruction set the C++ kernel runs with here: ``"avx512"``, ``"avx2"`` or ``"generic"``.
+
+    ``OPENRLHF_LOPTI_CPU_ISA=generic|avx2`` (read once, at the first kernel call) caps it.
+    """
+    _require()
+    return torch.ops.openrlhf_lopti.cpu_isa()
+
+
+def _require() -> None:
+    if not _load():
+        raise RuntimeError(f"the cpp backend of fused_policy_loss is unavailable: {_error}")
+
+
+class _CppPolicyLoss(torch.autograd.Function):
+    """Forward keeps logits (no copy) and fp32 [N, 4] row statistics; backward recomputes the softmax."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, old_log_probs, advantages, mask, ref_log_probs, alpha, eps_low, eps_high,
+                dual_clip, kl_coef, kl_estimator, temperature, return_entropy):  # fmt: skip
+        loss, logp, kl, clipped, entropy, stats = torch.ops.openrlhf_lopti.policy_loss_fwd(
+            logits, labels, old_log_probs, advantages, mask, ref_log_probs,
+            alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, return_entropy,
+        )  # fmt: skip
+        ctx.save_for_backward(logits, labels, mask, stats)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(kl, clipped)
+        ctx.set_materialize_grads(False)  # unused outputs give None, and the kernel skips their terms
+        return loss, logp, kl, clipped, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, grad_logp, _grad_kl, _grad_clipped, grad_entropy):
+        if grad_loss is None and grad_logp is None and grad_entropy is None:
+            return (None,) * 14
+        logits, labels, mask, stats = ctx.saved_tensors
+        grad_logits = torch.ops.openrlhf_lopti.policy_loss_bwd(
+            logits, labels, mask, stats, grad_loss, grad_logp, grad_entropy, ctx.temperature
+        )
+        return (grad_logits,) + (None,) * 13
+
+
+def cpp_policy_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_log_probs: Optional[torch.Tensor] = None,
+    alpha: float = 0.0,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: Optional[float] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> PolicyLossOutput:
+    """The ``"cpp"`` backend of :func:`openrlhf_lopti.ops.fused_policy_loss` (inputs already validated there).
+
+    Args:
+        logits: ``[N, V]`` fp32 / bf16 / fp16 CPU tensor; read in its dtype, one row at a time (no fp32
+            ``[N, V]`` copy). Rows must be contiguous in V (other layouts are copied once).
+        labels, old_log_probs, advantages, mask, ref_log_probs: ``[N]``, as ``fused_policy_loss``.
+        alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, return_entropy: as
+            ``fused_policy_loss``.
+
+    Returns:
+        :class:`~openrlhf_lopti.algo.PolicyLossOutput` of fp32 ``[N]`` fields (``clipped`` bool); masked rows
+        are 0 everywhere with zero gradient. The gradient to ``logits`` (in its dtype) comes from ``loss``,
+        ``logp`` and ``entropy``; ``kl`` and ``clipped`` are detached.
+
+    Raises:
+        ValueError: ``logits`` not on the CPU.
+        RuntimeError: the kernel could not be loaded or built (see :func:`cpp_available`).
+    """
+    if logits.device.type != "cpu":
+        raise ValueError(f"the cpp backend runs on CPU tensors; logits is on {logits.device} (use backend='triton')")
+    _require()
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        logits = logits.contiguous()
+    loss, logp, kl, clipped, entropy = _CppPolicyLoss.apply(
+        logits,
+        labels.detach().long().contiguous(),
+        old_log_probs.detach().float().contiguous(),
+        advantages.detach().float().contiguous(),
+        mask.detach().bool().contiguous(),
+        None if ref_log_probs is None else ref_log_probs.detach().float().contiguous(),
+        float(alpha),
+        float(eps_low),
+        float(eps_high),
+        None if dual_clip is None else float(dual_clip),
+        float(kl_coef),
+        kl_estimator,
+        float(temperature),
+        bool(return_entropy),
+    )
+    return PolicyLossOutput(loss=loss, logp=logp, kl=kl, clipped=clipped, entropy=entropy if return_entropy else None)
