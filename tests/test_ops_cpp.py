@@ -21,7 +21,7 @@ from openrlhf_lopti.ops import fused_policy_loss
 from openrlhf_lopti.ops import cpp_policy_loss as cpp_module
 from openrlhf_lopti.ops.cpp_policy_loss import cpp_available, cpp_isa
 
-from .kernel_cases import CASES, Case, check_backend_matches_reference, make_inputs, options
+from .kernel_cases import CASES, EXTREME_CASES, Case, check_backend_matches_reference, make_inputs, options
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,7 +52,7 @@ def test_extension_is_built_and_loaded():
     assert hasattr(torch.ops.openrlhf_lopti, "policy_loss_bwd")
 
 
-@pytest.mark.parametrize("case", CASES + CPP_CASES, ids=str)
+@pytest.mark.parametrize("case", CASES + CPP_CASES + list(EXTREME_CASES.values()), ids=str)
 def test_cpp_backend_matches_reference(case):
     check_backend_matches_reference(case, backend="cpp")
 

@@ -100,11 +100,17 @@ def policy_loss_from_logp(
         :class:`PolicyLossOutput` with fp32 ``loss``, ``logp`` (masked copy of the input), ``kl``,
         bool ``clipped``; ``entropy`` is None.
     """
-    logp = logp.float()
     keep = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask.bool()
-    weighted_adv = advantages.float() * ar_weight(old_log_probs, alpha)
+    zero = logp.new_zeros((), dtype=torch.float32)
+    # Masked rows are inert: padding may hold inf/NaN, and 0 * inf in a backward would be NaN.
+    logp = torch.where(keep, logp.float(), zero)
+    old_log_probs = torch.where(keep, old_log_probs.float(), zero)
+    advantages = torch.where(keep, advantages.float(), zero)
+    if ref_log_probs is not None:
+        ref_log_probs = torch.where(keep, ref_log_probs.float(), zero)
+    weighted_adv = advantages * ar_weight(old_log_probs, alpha)
 
-    log_ratio = (logp - old_log_probs.float()).clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    log_ratio = (logp - old_log_probs).clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
     surr1 = ratio * weighted_adv
     surr2 = ratio.clamp(1 - eps_low, 1 + eps_high) * weighted_adv
@@ -122,7 +128,6 @@ def policy_loss_from_logp(
     if kl_coef != 0:
         loss = loss + kl_coef * kl
 
-    zero = logp.new_zeros(())
     return PolicyLossOutput(
         loss=torch.where(keep, loss, zero),
         logp=torch.where(keep, logp, zero),
@@ -173,6 +178,9 @@ def policy_loss_from_logits(
     Shapes: ``logits [N, V]``, every other tensor ``[N]``. Masked rows give 0 in every output field and
     no gradient. Other arguments as :func:`policy_loss_from_logp`.
     """
+    if mask is not None:
+        # Masked rows may be padding with garbage logits; zero them so nothing non-finite reaches autograd.
+        logits = torch.where(mask.bool().unsqueeze(-1), logits, logits.new_zeros(()))
     logp, entropy = token_logprobs(logits, labels, temperature)
     out = policy_loss_from_logp(
         logp,

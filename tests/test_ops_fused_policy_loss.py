@@ -1,0 +1,265 @@
+"""``fused_policy_loss`` itself: every bad argument is a ValueError naming it, raised before any backend runs;
+an all-masked batch is all zeros (value and gradient, never NaN) on every backend; the backend dispatch."""
+
+import importlib
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import openrlhf_lopti.ops.cpp_policy_loss as cpp_module
+import openrlhf_lopti.ops.triton as triton_module
+from openrlhf_lopti.ops import fused_policy_loss
+
+# The package re-exports the function under the module's name, so fetch the module itself.
+fused_module = importlib.import_module("openrlhf_lopti.ops.fused_policy_loss")
+
+from .kernel_cases import Case, make_inputs, options
+
+N, V = 6, 11
+
+
+def _good(**overrides) -> dict:
+    """A valid call's arguments (all rows kept, KL on), with ``overrides`` applied."""
+    g = torch.Generator().manual_seed(0)
+    args = dict(
+        logits=torch.randn(N, V, generator=g),
+        labels=torch.randint(0, V, (N,), generator=g),
+        old_log_probs=-torch.rand(N, generator=g),
+        advantages=torch.randn(N, generator=g),
+        mask=torch.ones(N, dtype=torch.bool),
+        ref_log_probs=-torch.rand(N, generator=g),
+        kl_coef=0.01,
+    )
+    args.update(overrides)
+    return args
+
+
+def _call(args: dict, backend: str = "torch"):
+    args = dict(args)
+    positional = [args.pop(k) for k in ("logits", "labels", "old_log_probs", "advantages", "mask")]
+    return fused_policy_loss(*positional, backend=args.pop("backend", backend), **args)
+
+
+def _with(name: str, row: int, value: float) -> torch.Tensor:
+    tensor = _good()[name].clone()
+    tensor[row] = value
+    return tensor
+
+
+meta = torch.device("meta")  # a second device that exists on every machine
+BAD_INPUTS = {
+    # argument -> list of (overrides, a fragment the message must contain)
+    "backend": [dict(backend="cuda"), dict(backend="")],
+    "logits": [
+        dict(logits=torch.randn(N)),
+        dict(logits=torch.randn(2, N, V)),
+        dict(logits=[[0.0] * V] * N),
+        dict(logits=torch.randint(0, 3, (N, V))),
+        dict(logits=torch.randn(N, V, dtype=torch.float64)),
+        dict(logits=torch.randn(N, 0)),
+    ],
+    "labels": [
+        dict(labels=torch.zeros(N + 1, dtype=torch.long)),
+        dict(labels=torch.zeros(N, 1, dtype=torch.long)),
+        dict(labels=torch.zeros(N, dtype=torch.long, device=meta)),
+        dict(labels=torch.zeros(N)),
+        dict(labels=torch.zeros(N, dtype=torch.bool)),
+        dict(labels=_with("labels", 2, -1)),
+        dict(labels=_with("labels", 3, V)),
+        dict(labels=list(range(N))),
+    ],
+    "old_log_probs": [
+        dict(old_log_probs=torch.zeros(N - 1)),
+        dict(old_log_probs=torch.zeros(N, device=meta)),
+        dict(old_log_probs=torch.zeros(N, dtype=torch.long)),
+        dict(old_log_probs=_with("old_log_probs", 0, float("nan"))),
+        dict(old_log_probs=_with("old_log_probs", 5, -float("inf"))),
+    ],
+    "advantages": [
+        dict(advantages=torch.zeros(2 * N)),
+        dict(advantages=torch.zeros(N, device=meta)),
+        dict(advantages=torch.zeros(N, dtype=torch.int32)),
+        dict(advantages=_with("advantages", 1, float("nan"))),
+        dict(advantages=_with("advantages", 4, float("inf"))),
+    ],
+    "mask": [
+        dict(mask=torch.ones(N + 2, dtype=torch.bool)),
+        dict(mask=torch.ones(N, dtype=torch.bool, device=meta)),
+        dict(mask=torch.ones(N, dtype=torch.complex64)),
+        dict(mask=None),
+    ],
+    "ref_log_probs": [
+        dict(ref_log_probs=torch.zeros(N + 1)),
+        dict(ref_log_probs=torch.zeros(N, device=meta)),
+        dict(ref_log_probs=torch.zeros(N, dtype=torch.long)),
+        dict(ref_log_probs=_with("ref_log_probs", 3, float("nan"))),
+        dict(ref_log_probs=None, kl_coef=0.1),
+    ],
+    "alpha": [dict(alpha=-0.1), dict(alpha=1.5), dict(alpha=float("nan")), dict(alpha="0.3x")],
+    "eps_low": [dict(eps_low=-0.1), dict(eps_low=1.0), dict(eps_low=float("nan"))],
+    "eps_high": [dict(eps_high=-0.1), dict(eps_high=float("inf")), dict(eps_high=float("nan"))],
+    "dual_clip": [dict(dual_clip=1.0), dict(dual_clip=0.5), dict(dual_clip=float("inf"))],
+    "kl_coef": [dict(kl_coef=float("nan")), dict(kl_coef=float("inf"))],
+    "kl_estimator": [dict(kl_estimator="k4"), dict(kl_estimator="K3")],
+    "temperature": [dict(temperature=0.0), dict(temperature=-1.0), dict(temperature=float("nan")),
+                    dict(temperature=math.inf)],
+}  # fmt: skip
+BAD_CASES = [(name, overrides) for name, cases in BAD_INPUTS.items() for overrides in cases]
+
+
+@pytest.fixture
+def backends_must_not_run(monkeypatch):
+    """Every backend entry point fails the test if reached: validation must happen before any launch."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a backend ran on invalid input")
+
+    monkeypatch.setattr(fused_module, "policy_loss_from_logits", forbidden)
+    monkeypatch.setattr(triton_module, "triton_policy_loss", forbidden)
+    monkeypatch.setattr(cpp_module, "cpp_policy_loss", forbidden)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpp", "auto"])
+@pytest.mark.parametrize("name,overrides", BAD_CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD_CASES)])
+def test_bad_input_is_a_value_error_naming_the_argument(backends_must_not_run, name, overrides, backend):
+    args = _good(**overrides)
+    with pytest.raises(ValueError, match=name):
+        _call(args, backend=backend)
+
+
+def test_every_argument_has_a_bad_input_case():
+    import inspect
+
+    parameters = set(inspect.signature(fused_policy_loss).parameters) - {"return_entropy"}  # a flag
+    assert parameters == set(BAD_INPUTS)
+
+
+def test_garbage_on_masked_rows_is_accepted():
+    """Ids and values on rows with mask 0 are never used, so they are not validated (padding is -100)."""
+    keep = torch.tensor([True, False, True, False, True, True])
+    args = _good(mask=keep)
+    for name, value in (("labels", -100), ("old_log_probs", float("nan")), ("advantages", float("inf")),
+                        ("ref_log_probs", float("nan"))):  # fmt: skip
+        args[name] = args[name].masked_fill(~keep, value)
+    out = _call(args)
+    assert torch.all(torch.isfinite(out.loss)) and torch.all(out.loss[~keep] == 0)
+
+
+def _backends() -> list:
+    names = ["torch", "triton"]  # triton runs in interpreter mode without CUDA (tests/conftest.py)
+    if cpp_module.cpp_available():
+        names.append("cpp")
+    return names
+
+
+def _device(backend: str) -> str:
+    # Triton runs CUDA tensors where CUDA exists (its kernels are then compiled, not interpreted).
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def _all_masked(dtype, garbage: bool):
+    case = Case(n=9, v=40, dtype=dtype, masked_fraction=1.0, kl="k3", alpha=0.3, dual_clip=3.0, entropy=True)
+    inputs = make_inputs(case)
+    assert not inputs["mask"].any()
+    if garbage:  # what padding rows may hold: nothing on a masked row may reach an output or a gradient
+        inputs["old_log_probs"] = torch.full((case.n,), float("nan"))
+        inputs["advantages"] = torch.full((case.n,), float("inf"))
+        inputs["ref_log_probs"] = torch.full((case.n,), float("nan"))
+        inputs["logits"] = torch.full((case.n, case.v), float("nan"), dtype=dtype)
+    return case, inputs
+
+
+def _check_all_zero(case, inputs, backend):
+    inputs = {k: v.to(_device(backend)) for k, v in inputs.items()}
+    logits = inputs.pop("logits").requires_grad_(True)
+    out = fused_policy_loss(
+        logits, inputs.pop("labels"), inputs.pop("old_log_probs"), inputs.pop("advantages"), inputs.pop("mask"),
+        backend=backend, **inputs, **options(case),
+    )  # fmt: skip
+    for name in ("loss", "logp", "kl", "entropy"):
+        assert torch.equal(getattr(out, name), torch.zeros_like(out.loss)), name
+    assert not out.clipped.any()
+    token_mean = out.loss.sum() / out.loss.numel()  # a trainer's aggregate: must stay finite
+    (token_mean + out.entropy.sum() + out.logp.sum()).backward()
+    assert torch.isfinite(token_mean)
+    assert torch.equal(logits.grad, torch.zeros_like(logits)), "gradient is not exactly zero"
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_masked_batch_is_zero_never_nan(backend, dtype):
+    _check_all_zero(*_all_masked(dtype, garbage=False), backend)
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_all_masked_batch_with_padding_garbage_is_zero(backend):
+    _check_all_zero(*_all_masked(torch.float32, garbage=True), backend)
+
+
+class _Spy:
+    """Stands in for a backend: records the call and returns a marker."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return "spy-result"
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    spies = {"torch": _Spy(), "triton": _Spy(), "cpp": _Spy()}
+    monkeypatch.setattr(fused_module, "policy_loss_from_logits", spies["torch"])
+    monkeypatch.setattr(triton_module, "triton_policy_loss", spies["triton"])
+    monkeypatch.setattr(cpp_module, "cpp_policy_loss", spies["cpp"])
+    return spies
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpp"])
+def test_explicit_backend_gets_the_validated_call(spies, backend):
+    args = _good(alpha=1, eps_low=0.1, eps_high=0.3, dual_clip=3, kl_coef=1, kl_estimator="k2", temperature=2)
+    assert _call(args, backend=backend) == "spy-result"
+    assert [len(s.calls) for s in spies.values()] == [int(name == backend) for name in spies]
+    positional, options_ = spies[backend].calls[0]
+    assert positional[0] is args["logits"] and positional[4] is args["mask"]
+    assert options_ == dict(
+        ref_log_probs=args["ref_log_probs"], alpha=1.0, eps_low=0.1, eps_high=0.3, dual_clip=3.0, kl_coef=1.0,
+        kl_estimator="k2", temperature=2.0, return_entropy=False,
+    )  # fmt: skip
+    assert all(type(options_[k]) is float for k in ("alpha", "eps_low", "eps_high", "dual_clip", "kl_coef"))
+
+
+@pytest.mark.parametrize("cpp_built", [True, False])
+def test_auto_on_cpu_is_cpp_when_built_else_torch(spies, monkeypatch, cpp_built):
+    monkeypatch.setattr(cpp_module, "cpp_available", lambda: cpp_built)
+    monkeypatch.setattr(triton_module, "triton_available", lambda: True)  # never chosen for CPU tensors
+    _call(_good(), backend="auto")
+    assert len(spies["cpp"].calls) == int(cpp_built)
+    assert len(spies["torch"].calls) == int(not cpp_built)
+    assert not spies["triton"].calls
+
+
+@pytest.mark.parametrize("has_triton", [True, False])
+def test_auto_on_cuda_is_triton_when_available_else_torch(monkeypatch, has_triton):
+    # No CUDA tensor can be made on the CPU CI: the resolver only reads `is_cuda`.
+    monkeypatch.setattr(triton_module, "triton_available", lambda: has_triton)
+    monkeypatch.setattr(cpp_module, "cpp_available", lambda: True)  # never chosen for CUDA tensors
+    chosen = fused_module._resolve_backend("auto", SimpleNamespace(is_cuda=True))
+    assert chosen == ("triton" if has_triton else "torch")
+
+
+def test_auto_here_runs_and_matches_the_reference():
+    case = Case(n=10, v=30, kl="k3", alpha=0.3, entropy=True)
+    inputs = make_inputs(case)
+    outs = [
+        fused_policy_loss(
+            inputs["logits"], inputs["labels"], inputs["old_log_probs"], inputs["advantages"], inputs["mask"],
+            ref_log_probs=inputs["ref_log_probs"], backend=backend, **options(case),
+        )  # fmt: skip
+        for backend in ("auto", "torch")
+    ]
+    for name in ("loss", "logp", "kl", "entropy"):
+        torch.testing.assert_close(getattr(outs[0], name), getattr(outs[1], name), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,331 @@
+"""The Triton backend against the torch reference: the shared grid, the kernel's own edges (block and grid
+boundaries, masked rows never read, extreme ratios and KL values), and what it saves for backward.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 (tests/conftest.py); small blocks make V span several.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openrlhf_lopti.algo import policy_loss_from_logits
+from openrlhf_lopti.ops import fused_policy_loss
+from openrlhf_lopti.ops import triton as triton_ops
+
+from .kernel_cases import CASES, EXTREME_CASES, Case, check_backend_matches_reference, make_inputs, options
+
+from openrlhf_lopti.ops.triton import policy_loss as kernels  # conftest has set TRITON_INTERPRET by now
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _launch_env(block_v=None, grid_cap=None) -> dict:
+    env = {}
+    if block_v is not None:
+        env[kernels.ENV_BLOCK_V] = str(block_v)
+    if grid_cap is not None:
+        env[kernels.ENV_GRID_CAP] = str(grid_cap)
+    return env
+
+
+@pytest.mark.parametrize("block_v,grid_cap", [(64, None), (32, 3)], ids=["block64", "block32-grid3"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_shared_grid_matches_reference(case, block_v, grid_cap):
+    # grid3: 3 programs stride over all rows, the path N > 65535 takes on a GPU.
+    with mock.patch.dict(os.environ, _launch_env(block_v, grid_cap)):
+        check_backend_matches_reference(case, backend="triton", device=DEVICE)
+
+
+# Kernel edges: V exactly one/several blocks, one over, smaller than a block; the default block size
+# (no override) with V spanning two 4096-wide blocks; more rows than programs.
+EDGE_CASES = [
+    (Case(v=64, entropy=True), 64, None),
+    (Case(v=65, kl="k3"), 64, None),
+    (Case(v=192, alpha=0.3, temperature=0.5), 64, None),
+    (Case(v=5, entropy=True, masked_fraction=0.0), 64, None),
+    (Case(n=4, v=5000, entropy=True, kl="k2", dtype=torch.bfloat16), None, None),
+    (Case(n=40, v=50, alpha=1.0, dual_clip=2.0, entropy=True), 16, 1),
+    (Case(n=40, v=50, masked_fraction=0.9), 16, 7),
+]
+
+
+@pytest.mark.parametrize("case,block_v,grid_cap", EDGE_CASES, ids=lambda x: str(x) if isinstance(x, Case) else None)
+def test_block_and_grid_edges(case, block_v, grid_cap):
+    with mock.patch.dict(os.environ, _launch_env(block_v, grid_cap)):
+        check_backend_matches_reference(case, backend="triton", device=DEVICE)
+
+
+
+
+@pytest.mark.parametrize("name", EXTREME_CASES)
+def test_extreme_inputs_match_reference(name):
+    with mock.patch.dict(os.environ, _launch_env(block_v=32)):
+        check_backend_matches_reference(EXTREME_CASES[name], backend="triton", device=DEVICE)
+
+
+def test_extreme_cases_reach_every_branch():
+    """Guards the test above: each extreme case really crosses the boundary it is named after."""
+
+    def quantities(case):
+        inputs = make_inputs(case)
+        keep = inputs["mask"]
+        logp = torch.log_softmax(inputs["logits"].float() / case.temperature, -1)
+        logp = logp.gather(-1, inputs["labels"].clamp(min=0)[:, None]).squeeze(-1)
+        return inputs, keep, logp
+
+    inputs, keep, logp = quantities(EXTREME_CASES["dual-clip-binds"])
+    ratio = (logp - inputs["old_log_probs"]).exp()
+    adv = inputs["advantages"]
+    assert (keep & (adv < 0) & (ratio > 3.0)).any()
+    inputs, keep, logp = quantities(EXTREME_CASES["log-ratio-clamp"])
+    assert (keep & ((logp - inputs["old_log_probs"]).abs() > 20)).any()
+    for name, bound in (("k1-clamp", 10.0), ("k2-clamp", math.sqrt(20.0)), ("k3-clamp", 10.0)):
+        inputs, keep, logp = quantities(EXTREME_CASES[name])
+        x = logp - inputs["ref_log_probs"]
+        assert (keep & (x.abs() > bound)).any(), name
+        assert (keep & (x.abs() < bound / 2)).any(), name
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    n=st.integers(1, 24),
+    v=st.integers(1, 300),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    temperature=st.sampled_from([0.6, 1.0, 1.7]),
+    alpha=st.sampled_from([0.0, 0.3, 1.0]),
+    kl=st.sampled_from([None, "k1", "k2", "k3"]),
+    dual_clip=st.sampled_from([None, 3.0]),
+    entropy=st.booleans(),
+    masked_fraction=st.sampled_from([0.0, 0.25, 0.6, 1.0]),
+    seed=st.integers(0, 2**16),
+    block_v=st.sampled_from([16, 64, 256]),
+    grid_cap=st.sampled_from([1, 5, 65535]),
+)
+def test_random_configurations_match_reference(
+    n, v, dtype, temperature, alpha, kl, dual_clip, entropy, masked_fraction, seed, block_v, grid_cap
+):
+    case = Case(
+        n=n, v=v, dtype=dtype, temperature=temperature, alpha=alpha, kl=kl, dual_clip=dual_clip,
+        entropy=entropy, masked_fraction=masked_fraction, seed=seed,
+    )  # fmt: skip
+    with mock.patch.dict(os.environ, _launch_env(block_v, grid_cap)):
+        check_backend_matches_reference(case, backend="triton", device=DEVICE)
+
+
+def _call(inputs, **opts):
+    return fused_policy_loss(
+        inputs["logits"], inputs["labels"], inputs["old_log_probs"], inputs["advantages"], inputs["mask"],
+        ref_log_probs=inputs["ref_log_probs"], **opts,
+    )  # fmt: skip
+
+
+def _leaf(inputs):
+    return dict(inputs, logits=inputs["logits"].detach().clone().requires_grad_(True))
+
+
+@pytest.mark.parametrize("used", ["loss", "logp", "entropy"])
+def test_gradient_from_each_output_alone(used):
+    """Unused outputs reach backward as None (grads are not materialised); each path alone is right."""
+    case = Case(n=12, v=70, kl="k3", alpha=0.3, entropy=True, temperature=0.8, seed=11)
+    inputs = make_inputs(case, DEVICE)
+    grads = {}
+    for backend in ("torch", "triton"):
+        leaf = _leaf(inputs)
+        with mock.patch.dict(os.environ, _launch_env(block_v=32)):
+            out = _call(leaf, backend=backend, **options(case))
+        getattr(out, used).sum().backward()
+        grads[backend] = leaf["logits"].grad
+    torch.testing.assert_close(grads["triton"], grads["torch"], rtol=1e-4, atol=1e-6)
+    assert grads["triton"].abs().sum() > 0
+
+
+def test_masked_rows_are_never_read():
+    """NaN logits, ids and log-probs on masked rows change nothing: those rows are skipped, not computed."""
+    case = Case(n=16, v=80, kl="k3", entropy=True, dual_clip=3.0, masked_fraction=0.5, seed=12)
+    clean = make_inputs(case, DEVICE)
+    poisoned = dict(clean)
+    masked = ~clean["mask"]
+    assert masked.any() and clean["mask"].any()
+    poisoned["logits"] = clean["logits"].masked_fill(masked[:, None], float("nan"))
+    poisoned["old_log_probs"] = clean["old_log_probs"].masked_fill(masked, float("nan"))
+    poisoned["advantages"] = clean["advantages"].masked_fill(masked, float("inf"))
+    poisoned["ref_log_probs"] = clean["ref_log_probs"].masked_fill(masked, float("nan"))
+    poisoned["labels"] = clean["labels"].masked_fill(masked, 10**9)
+    results = []
+    for inputs in (clean, poisoned):
+        leaf = _leaf(inputs)
+        out = _call(leaf, backend="triton", **options(case))
+        (out.loss.sum() + out.logp.sum() + out.entropy.sum()).backward()
+        results.append((out, leaf["logits"].grad))
+    (out_a, grad_a), (out_b, grad_b) = results
+    for name in ("loss", "logp", "kl", "clipped", "entropy"):
+        assert torch.equal(getattr(out_a, name), getattr(out_b, name)), name
+    assert torch.equal(grad_a, grad_b)
+    assert torch.all(grad_b[masked] == 0)
+
+
+def test_strided_rows_are_read_in_place():
+    """A row stride larger than V (a slice of a wider buffer) is used as is; a transposed view still works."""
+    case = Case(n=10, v=50, entropy=True, kl="k1", seed=13)
+    inputs = make_inputs(case, DEVICE)
+    wide = torch.zeros(case.n, case.v + 13, dtype=case.dtype, device=DEVICE)
+    wide[:, : case.v] = inputs["logits"]
+    sliced = wide[:, : case.v]
+    transposed = inputs["logits"].t().contiguous().t()
+    assert sliced.stride(0) == case.v + 13 and transposed.stride(-1) != 1
+    want = _call(inputs, backend="torch", **options(case))
+    for logits in (sliced, transposed):
+        got = _call(dict(inputs, logits=logits), backend="triton", **options(case))
+        for name in ("loss", "logp", "kl", "entropy"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_only_per_row_vectors_are_saved_for_backward():
+    """Nothing [N, V] is saved besides the caller's logits (no fp32 copy, no softmax)."""
+    case = Case(n=12, v=90, kl="k3", entropy=True, dtype=torch.bfloat16, seed=14)
+    inputs = _leaf(make_inputs(case, DEVICE))
+    out = _call(inputs, backend="triton", **options(case))
+    saved = out.loss.grad_fn.saved_tensors
+    assert any(t.data_ptr() == inputs["logits"].data_ptr() and t.dtype == torch.bfloat16 for t in saved)
+    for tensor in saved:
+        if tensor.data_ptr() != inputs["logits"].data_ptr():
+            assert tuple(tensor.shape) == (case.n,), tuple(tensor.shape)
+    assert not out.kl.requires_grad and not out.clipped.requires_grad
+    assert out.clipped.dtype == torch.bool
+
+
+def test_empty_batch():
+    inputs = make_inputs(Case(n=1, v=7, masked_fraction=0.0), DEVICE)
+    empty = {k: (v[:0] if v is not None else None) for k, v in inputs.items()}
+    empty["logits"] = empty["logits"].detach().requires_grad_(True)
+    out = _call(empty, backend="triton", return_entropy=True)
+    assert out.loss.shape == (0,) and out.entropy.shape == (0,)
+    (out.loss.sum() + out.entropy.sum()).backward()
+    assert empty["logits"].grad.shape == (0, 7)
+
+
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    inputs = make_inputs(Case(n=2, v=8))  # CPU tensors, on any machine
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        _call(inputs, backend="triton")
+
+
+@pytest.mark.parametrize("name,value", [(kernels.ENV_BLOCK_V, "48"), (kernels.ENV_GRID_CAP, "0")])
+def test_bad_launch_overrides_are_rejected(name, value):
+    inputs = make_inputs(Case(n=2, v=8), DEVICE)
+    with mock.patch.dict(os.environ, {name: value}), pytest.raises(ValueError, match=name):
+        _call(inputs, backend="triton")
+
+
+def test_triton_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_ops.triton_available()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not triton_ops.triton_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert triton_ops.triton_available()
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    assert not triton_ops.triton_available()
+
+
+def test_matches_reference_on_loss_reduction_used_in_training():
+    """The token-mean loss a trainer backpropagates gives the reference's gradient (bf16 logits)."""
+    case = Case(n=30, v=120, dtype=torch.bfloat16, alpha=0.3, kl="k3", seed=15)
+    inputs = make_inputs(case, DEVICE)
+    grads = []
+    for fn in (policy_loss_from_logits, lambda *a, **k: fused_policy_loss(*a, backend="triton", **k)):
+        leaf = _leaf(inputs)
+        out = fn(
+            leaf["logits"], leaf["labels"], leaf["old_log_probs"], leaf["advantages"], leaf["mask"],
+            ref_log_probs=leaf["ref_log_probs"], **options(case),
+        )  # fmt: skip
+        (out.loss.sum() / leaf["mask"].sum()).backward()
+        grads.append(leaf["logits"].grad.float())
+    torch.testing.assert_close(grads[1], grads[0], rtol=2e-2, atol=1e-4)
+
+
+# Compiles (no launch) every kernel variant for an H100 (sm_90) down to a cubin with the ptxas bundled in the
+# triton wheel: the GPU code path type-checks and lowers even on CI machines that have no GPU.
+_COMPILE_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from openrlhf_lopti.ops.triton import policy_loss as k
+
+assert not k.INTERPRETED
+INTS = {"stride_row", "grad_stride_row", "n_rows", "n_cols"}
+
+def signature(kernel, **pointers):
+    sig = {}
+    for name in kernel.arg_names:
+        if name in pointers:
+            sig[name] = pointers[name]
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32"
+        else:
+            sig[name] = "i32" if name in INTS else ("constexpr" if name.isupper() else "fp32")
+    return sig
+
+fwd_variants = [
+    ("*bf16", dict(KL_MODE=3, HAS_DUAL_CLIP=True, WITH_ENTROPY=True, BLOCK_V=4096), 8),
+    ("*fp32", dict(KL_MODE=0, HAS_DUAL_CLIP=False, WITH_ENTROPY=False, BLOCK_V=1024), 4),
+    ("*fp16", dict(KL_MODE=1, HAS_DUAL_CLIP=False, WITH_ENTROPY=True, BLOCK_V=4096), 8),
+    ("*bf16", dict(KL_MODE=2, HAS_DUAL_CLIP=True, WITH_ENTROPY=False, BLOCK_V=4096), 8),
+]
+for logits, consts, warps in fwd_variants:
+    sig = signature(k._policy_loss_fwd_kernel, logits_ptr=logits, labels_ptr="*i64", keep_ptr="*i8",
+                    clipped_ptr="*i8")
+    consts = dict(consts, LOG_RATIO_MAX=20.0, KL_MAX=10.0)
+    src = ASTSource(fn=k._policy_loss_fwd_kernel, signature=sig, constexprs=consts)
+    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
+for logits, with_entropy in (("*bf16", True), ("*fp16", False), ("*fp32", True)):
+    sig = signature(k._policy_loss_bwd_kernel, logits_ptr=logits, grad_ptr=logits, labels_ptr="*i32",
+                    keep_ptr="*i8")
+    consts = dict(WITH_ENTROPY_GRAD=with_entropy, BLOCK_V=4096)
+    src = ASTSource(fn=k._policy_loss_bwd_kernel, signature=sig, constexprs=consts)
+    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["cubin"]
+print("compiled")
+"""
+
+
+def test_gpu_kernels_compile_for_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
+
+
+def test_benchmark_runs_on_cpu_and_refuses_to_overwrite(tmp_path, capsys):
+    """`openrlhf-lopti bench` at a tiny shape: every available row runs and agrees on the loss."""
+    from benchmarks import bench_policy_loss
+
+    path = tmp_path / "bench.json"
+    argv = ["--device", DEVICE, "--n", "16", "--v", "96", "--seq-len", "8", "--repeats", "1", "--warmup", "0",
+            "--backends", "openrlhf,torch,triton,liger", "--json", str(path)]  # fmt: skip
+    assert bench_policy_loss.main(argv) == 0
+    report = json.loads(path.read_text())
+    rows = {(r["backend"], r["alpha"]): r for r in report["rows"]}
+    ran = [b for b in ("openrlhf", "torch", "triton", "liger") if rows[(b, 0.0)]["status"] == "ok"]
+    assert ran[:3] == ["openrlhf", "torch", "triton"], report["rows"]
+    if "liger" not in ran:
+        assert rows[("liger", 0.0)]["status"].startswith(("n/a", "not installed"))
+    losses = [rows[(b, 0.0)]["loss"] for b in ran]
+    assert max(losses) - min(losses) < 1e-4, losses  # same inputs, same math (alpha = 0)
+    assert rows[("triton", 0.3)]["loss"] != rows[("triton", 0.0)]["loss"]  # the +AR row changes the loss
+    if DEVICE == "cpu":
+        assert all(goal["measured"] is None for goal in report["goals"].values())  # GPU goals only
+    with pytest.raises(SystemExit):
+        bench_policy_loss.main(argv)  # the JSON exists: refused without --overwrite
+    assert "--overwrite" in capsys.readouterr().err
