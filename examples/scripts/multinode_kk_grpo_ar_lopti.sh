@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Knights & Knaves, GRPO + AR + Lopti on a Ray cluster of NUM_NODES nodes x 8 GPUs (default 2 nodes:
+# Qwen2.5-7B-Instruct-1M). Every node needs the same environment (pip install openrlhf-lopti[gpu] with
+# openrlhf==0.11.2, vLLM, flash-attn) and the same paths: data and the reward file are read on the node where
+# each Ray actor runs, so put them on shared storage or install the package at the same path everywhere.
+#
+#   head node:    HEAD_IP=10.0.0.1 bash examples/scripts/multinode_kk_grpo_ar_lopti.sh head
+#   each worker:  HEAD_IP=10.0.0.1 bash examples/scripts/multinode_kk_grpo_ar_lopti.sh worker
+#   then, on the head node, once `ray status` lists all GPUs:
+#                 HEAD_IP=10.0.0.1 bash examples/scripts/multinode_kk_grpo_ar_lopti.sh submit [extra flags]
+set -euo pipefail
+
+ROLE=${1:?usage: $0 head|worker|submit [extra trainer flags]}
+shift
+HEAD_IP=${HEAD_IP:?set HEAD_IP to the head node address}
+NUM_NODES=${NUM_NODES:-2}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+RAY=${RAY:-ray}
+PYTHON=${PYTHON:-python3}
+MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct-1M}
+DATA_DIR=${DATA_DIR:-$PWD/data/kk}
+SAVE_DIR=${SAVE_DIR:-$PWD/checkpoints/kk_$(basename "$MODEL")}
+RUN_NAME=${RUN_NAME:-kk_grpo_ar_lopti_${NUM_NODES}nodes}
+
+case "$ROLE" in
+  head)
+    exec "$RAY" start --head --node-ip-address "$HEAD_IP" --port 6379 --dashboard-host 0.0.0.0 --num-gpus "$GPUS_PER_NODE"
+    ;;
+  worker)
+    exec "$RAY" start --address "$HEAD_IP:6379" --num-gpus "$GPUS_PER_NODE" --block
+    ;;
+  submit) ;;
+  *)
+    echo "unknown role '$ROLE': use head, worker or submit" >&2
+    exit 2
+    ;;
+esac
+
+if [[ ! -f "$DATA_DIR/train.jsonl" ]]; then
+  "$PYTHON" -m openrlhf_lopti data kk --out "$DATA_DIR"
+fi
+REWARD_FILE=${REWARD_FILE:-$("$PYTHON" -c 'import openrlhf_lopti.tasks.reward_kk as m; print(m.__file__)')}
+TOTAL_GPUS=$((NUM_NODES * GPUS_PER_NODE))
+
+set -x
+"$RAY" job submit --address="http://127.0.0.1:8265" \
+  --runtime-env-json='{"env_vars": {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN"}}' \
+  -- python3 -m openrlhf_lopti.cli.train_ppo_ray \
+  --actor.model_name_or_path "$MODEL" \
+  --actor.num_nodes "$NUM_NODES" \
+  --actor.num_gpus_per_node "$GPUS_PER_NODE" \
+  --ref.num_nodes "$NUM_NODES" \
+  --ref.num_gpus_per_node "$GPUS_PER_NODE" \
+  --vllm.num_engines $((TOTAL_GPUS / 2)) \
+  --vllm.tensor_parallel_size 2 \
+  --vllm.gpu_memory_utilization 0.6 \
+  --vllm.enable_sleep \
+  --ds.enable_sleep \
+  --train.colocate_all \
+  --ds.zero_stage 3 \
+  --ds.param_dtype bf16 \
+  --ds.attn_implementation flash_attention_2 \
+  --ds.packing_samples \
+  --actor.gradient_checkpointing_enable \
+  --reward.remote_url "$REWARD_FILE" \
+  --data.prompt_dataset "$DATA_DIR/train.jsonl" \
+  --data.input_key prompt \
+  --data.label_key label \
+  --data.apply_chat_template \
+  --eval.dataset "$DATA_DIR/test.jsonl" \
+  --eval.steps 10 \
+  --eval.temperature 0.7 \
+  --eval.n_samples_per_prompt 1 \
+  --algo.advantage.estimator group_norm \
+  --rollout.batch_size 64 \
+  --rollout.n_samples_per_prompt 8 \
+  --rollout.temperature 0.7 \
+  --rollout.max_new_tokens 4096 \
+  --data.max_len 5120 \
+  --rollout.micro_batch_size 8 \
+  --train.batch_size 256 \
+  --train.micro_batch_size 2 \
+  --train.max_epochs 1 \
+  --train.num_episodes 5 \
+  --actor.adam.lr 1e-6 \
+  --actor.lr_scheduler constant \
+  --actor.eps_clip_low_high 0.2 0.24 \
+  --actor.loss_agg_mode token-mean \
+  --algo.kl.use_loss \
+  --algo.kl.init_coef 0.001 \
+  --algo.kl.estimator k3 \
+  --actor.entropy_coef 0 \
+  --actor.fused_loss auto \
+  --algo.ar_alpha 0.3 \
+  --algo.lopti_eta 0.5 \
+  --ckpt.output_dir "$SAVE_DIR/$RUN_NAME" \
+  --ckpt.path "$SAVE_DIR/$RUN_NAME/ckpt" \
+  --ckpt.save_steps 20 \
+  --logger.tensorboard_dir "$SAVE_DIR/$RUN_NAME/tensorboard" \
+  --logger.wandb.run_name "$RUN_NAME" \
+  "$@"

@@ -1,0 +1,22 @@
+"""Glue to OpenRLHF 0.11.2: ``LoptiActorPPOTrainer``, ``LoptiPolicyModelActor``, our CLI flags, CPU stand-ins.
+
+``flags`` imports nothing from openrlhf; ``trainer`` and ``actor`` import OpenRLHF's Ray trainer, which needs
+vLLM and flash-attn (or, on CPU, ``cpu_stubs.install_cpu_stubs()`` first). They are loaded on first access
+so that importing this package (e.g. for the CLI's ``--help``) stays light.
+"""
+
+import importlib
+
+_LAZY = {
+    "LoptiActorPPOTrainer": "openrlhf_lopti.openrlhf.trainer",
+    "LoptiPolicyModelActor": "openrlhf_lopti.openrlhf.actor",
+    "install_cpu_stubs": "openrlhf_lopti.openrlhf.cpu_stubs",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,201 @@
+"""Our OpenRLHF flags: add them to a parser, read them into a :class:`LoptiConfig`, reject what cannot work.
+
+Flag -> config field (all dotted like upstream's, so ``hierarchize`` nests them as ``args.algo.ar_alpha``):
+
+    --algo.ar_alpha            ar_alpha            AR strength in [0, 1]; 0 = off (paper: 0.3 K&K, 0.1 math)
+    --algo.lopti_eta           lopti_eta           Lopti probability threshold in (0, 1]; 0 = off (paper: 0.5)
+    --algo.lopti_order         lopti_order         low_first (Lopti) | high_first (the paper's ablation)
+    --algo.lopti_quantile      lopti_quantile      threshold = this quantile of the batch's token probabilities
+    --algo.lopti_denominator   lopti_denominator   all (authors' code) | phase: token-mean denominator per phase
+    --actor.fused_loss         fused_loss          auto | triton | torch | off (upstream's PolicyLoss)
+
+Nothing here imports openrlhf, ray, deepspeed or vLLM: the CLI's ``--help`` and parse-time checks run on a
+CPU-only install.
+"""
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from openrlhf_lopti.algo import LOPTI_ORDERS, check_alpha, check_lopti_args
+
+FUSED_LOSS_CHOICES = ("auto", "triton", "torch", "off")
+LOPTI_DENOMINATORS = ("all", "phase")
+
+
+@dataclass(frozen=True)
+class LoptiConfig:
+    """Our settings, read from OpenRLHF's (flat or hierarchized) args by :func:`lopti_config`."""
+
+    ar_alpha: float = 0.0
+    lopti_eta: float = 0.0
+    lopti_order: str = "low_first"
+    lopti_quantile: Optional[float] = None
+    lopti_denominator: str = "all"
+    fused_loss: str = "auto"
+
+    @property
+    def lopti_enabled(self) -> bool:
+        return self.lopti_eta > 0
+
+
+def _arg(args: Any, dotted: str, default: Any = None) -> Any:
+    """``args.a.b`` for hierarchized args, ``getattr(args, "a.b")`` for argparse's flat Namespace."""
+    if hasattr(args, dotted):
+        return getattr(args, dotted)
+    node = args
+    for part in dotted.split("."):
+        if not hasattr(node, part):
+            return default
+        node = getattr(node, part)
+    return node
+
+
+def lopti_config(args: Any) -> LoptiConfig:
+    """Our flags from ``args`` (flat argparse Namespace or OpenRLHF's hierarchized one); defaults if absent."""
+    default = LoptiConfig()
+    return LoptiConfig(
+        ar_alpha=float(_arg(args, "algo.ar_alpha", default.ar_alpha)),
+        lopti_eta=float(_arg(args, "algo.lopti_eta", default.lopti_eta)),
+        lopti_order=_arg(args, "algo.lopti_order", default.lopti_order),
+        lopti_quantile=_arg(args, "algo.lopti_quantile", default.lopti_quantile),
+        lopti_denominator=_arg(args, "algo.lopti_denominator", default.lopti_denominator),
+        fused_loss=_arg(args, "actor.fused_loss", default.fused_loss),
+    )
+
+
+def _checked(check: Callable[[float], Any]) -> Callable[[str], float]:
+    """An argparse ``type=`` that parses a float and runs ``check`` on it, so bad values fail at parse time."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        try:
+            check(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    return parse
+
+
+def _check_eta(value: float) -> None:
+    if value != 0:  # 0 switches Lopti off
+        check_lopti_args(value, "low_first", None)
+
+
+def _check_quantile(value: float) -> None:
+    check_lopti_args(0.5, "low_first", value)
+
+
+def add_lopti_flags(parser: argparse.ArgumentParser) -> None:
+    """Add our flags to ``parser`` (upstream's train_ppo_ray parser) in their own help group."""
+    group = parser.add_argument_group(
+        "openrlhf-lopti",
+        "Advantage Reweighting (AR) and Low-Probability Token Isolation (Lopti), arXiv 2505.12929",
+    )
+    group.add_argument(
+        "--algo.ar_alpha",
+        type=_checked(check_alpha),
+        default=0.0,
+        help="AR: scale each token's advantage by alpha*p_old + 1 - alpha, alpha in [0, 1]; 0 = off "
+        "(paper: 0.3 on K&K, 0.1 on math)",
+    )
+    group.add_argument(
+        "--algo.lopti_eta",
+        type=_checked(_check_eta),
+        default=0.0,
+        help="Lopti: update tokens with p_old < eta first, then the rest, each phase a full pass of the "
+        "micro-batch/optimizer-step loop; eta in (0, 1], 0 = off (paper: 0.5)",
+    )
+    group.add_argument(
+        "--algo.lopti_order",
+        choices=LOPTI_ORDERS,
+        default="low_first",
+        help="Lopti phase order: low_first (the method) or high_first (the paper's ablation, which collapses)",
+    )
+    group.add_argument(
+        "--algo.lopti_quantile",
+        type=_checked(_check_quantile),
+        default=None,
+        help="Lopti: instead of eta, use this quantile in (0, 1) of the batch's token probabilities as the "
+        "threshold (about this fraction of tokens is 'low'); needs --algo.lopti_eta > 0 to switch Lopti on",
+    )
+    group.add_argument(
+        "--algo.lopti_denominator",
+        choices=LOPTI_DENOMINATORS,
+        default="all",
+        help="token-mean denominator of each Lopti phase: all response tokens of the batch (the authors' "
+        "code) or the phase's own tokens",
+    )
+    group.add_argument(
+        "--actor.fused_loss",
+        choices=FUSED_LOSS_CHOICES,
+        default="auto",
+        help="policy loss through openrlhf-lopti's fused_policy_loss: auto (triton on GPU when importable, "
+        "else torch; upstream's PolicyLoss for settings the fused loss does not cover), triton, torch, or "
+        "off (upstream's PolicyLoss, AR applied to the advantages)",
+    )
+
+
+def fused_loss_blockers(args: Any) -> list[str]:
+    """Upstream settings under which ``fused_policy_loss`` cannot stand in for upstream's ``PolicyLoss``."""
+    blockers = []
+    if _arg(args, "actor.policy_loss_type", "ppo") != "ppo":
+        blockers.append("--actor.policy_loss_type gspo (sequence-level ratio)")
+    if _arg(args, "algo.advantage.is_correction_level", "off") != "off":
+        blockers.append("--algo.advantage.is_correction_level (train/rollout importance-sampling correction)")
+    if (_arg(args, "ds.ring_attn_size", 1) or 1) > 1:
+        blockers.append("--ds.ring_attn_size > 1 (logits sharded across ranks)")
+    return blockers
+
+
+def fused_backend(args: Any) -> Optional[str]:
+    """The ``fused_policy_loss`` backend the actor uses, or None for upstream's PolicyLoss.
+
+    ``auto`` becomes None when :func:`fused_loss_blockers` lists anything; an explicit backend with blockers
+    is rejected by :func:`check_config` instead.
+    """
+    choice = lopti_config(args).fused_loss
+    if choice == "off" or (choice == "auto" and fused_loss_blockers(args)):
+        return None
+    return choice
+
+
+def check_config(args: Any) -> None:
+    """Raise ``ValueError`` (naming the flags) for values or combinations that cannot work.
+
+    Called at parse time by ``openrlhf_lopti.cli.train_ppo_ray`` and again by the trainer at start-up.
+    """
+    cfg = lopti_config(args)
+    check_alpha(cfg.ar_alpha)
+    if cfg.lopti_enabled:
+        check_lopti_args(cfg.lopti_eta, cfg.lopti_order, cfg.lopti_quantile)
+    elif cfg.lopti_eta != 0:
+        raise ValueError(f"--algo.lopti_eta must be 0 (off) or in (0, 1], got {cfg.lopti_eta}")
+    elif cfg.lopti_quantile is not None:
+        raise ValueError("--algo.lopti_quantile needs Lopti switched on: add --algo.lopti_eta > 0 (e.g. 0.5)")
+    if cfg.lopti_denominator not in LOPTI_DENOMINATORS:
+        raise ValueError(f"--algo.lopti_denominator must be one of {LOPTI_DENOMINATORS}, got {cfg.lopti_denominator!r}")
+    if cfg.fused_loss not in FUSED_LOSS_CHOICES:
+        raise ValueError(f"--actor.fused_loss must be one of {FUSED_LOSS_CHOICES}, got {cfg.fused_loss!r}")
+
+    blockers = fused_loss_blockers(args)
+    if cfg.fused_loss not in ("auto", "off") and blockers:
+        raise ValueError(
+            f"--actor.fused_loss {cfg.fused_loss} does not support {'; '.join(blockers)}: "
+            "use --actor.fused_loss off (upstream's PolicyLoss) or auto"
+        )
+    if cfg.lopti_enabled and _arg(args, "actor.policy_loss_type", "ppo") == "gspo":
+        raise ValueError(
+            "--algo.lopti_eta with --actor.policy_loss_type gspo: GSPO's ratio is one per sequence, so a "
+            "token phase cannot be isolated; use --actor.policy_loss_type ppo"
+        )
+    agg_mode = _arg(args, "actor.loss_agg_mode", "token-mean")
+    if cfg.lopti_enabled and cfg.lopti_denominator == "all" and agg_mode != "token-mean":
+        raise ValueError(
+            f"--algo.lopti_denominator all with --actor.loss_agg_mode {agg_mode}: the per-sequence means would "
+            "count only the phase's tokens; use --actor.loss_agg_mode token-mean or --algo.lopti_denominator phase"
+        )

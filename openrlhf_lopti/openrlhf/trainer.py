@@ -1,0 +1,327 @@
+"""``LoptiActorPPOTrainer``: OpenRLHF 0.11.2's ``ActorPPOTrainer`` with AR, Lopti phases and the fused policy loss.
+
+What each flag changes, and where (the math itself is ``openrlhf_lopti.algo`` / ``openrlhf_lopti.ops``):
+
+- ``--algo.ar_alpha``: ``alpha`` of ``fused_policy_loss``, or, with ``--actor.fused_loss off``,
+  ``reweight_advantages`` on ``experience.advantages`` before upstream's ``PolicyLoss``
+  (``training_step``). Logged as ``ar/mean_weight``.
+- ``--algo.lopti_eta`` / ``_order`` / ``_quantile``: ``ppo_train`` runs upstream's ``ppo_train`` (epochs,
+  micro-batches, optimizer steps) once per phase, in order; ``training_step`` replaces
+  ``experience.action_mask`` by the phase's tokens (so policy loss, KL and entropy are masked to them) and
+  zeroes the other tokens' advantages; each step's forward uses the weights as the earlier steps left them.
+  ``experience.action_log_probs`` (the rollout policy's: the PPO anchor and the threshold's p) never change.
+  Logged as ``lopti/low_token_frac``, ``lopti/threshold`` and ``lopti/<phase>/<metric>``.
+- ``--algo.lopti_denominator``: ``all`` applies the phase mask after the token-mean denominators are counted
+  (every response token, as in the authors' code); ``phase`` applies it to the replay-buffer items before
+  upstream's ``ppo_train`` counts them.
+- ``--actor.fused_loss``: ``_fused_policy_loss`` routes upstream's ``training_step`` through
+  ``fused_policy_loss`` (see its docstring); ``off`` leaves upstream's ``PolicyLoss`` in place.
+"""
+
+from contextlib import contextmanager, nullcontext
+from typing import Dict, Iterator, Optional
+
+import torch
+
+from openrlhf.models import PolicyLoss, aggregate_loss
+from openrlhf.models.utils import masked_mean
+from openrlhf.trainer.ppo_utils.experience import Experience
+from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+from openrlhf.utils.loss_utils import get_loss_batch_info
+from openrlhf_lopti.algo import PolicyLossOutput, ar_weight, lopti_phases, reweight_advantages
+from openrlhf_lopti.algo.lopti import quantile_threshold
+from openrlhf_lopti.ops import fused_policy_loss
+
+from .flags import check_config, fused_backend, fused_loss_blockers, lopti_config
+
+PHASE_NAMES = {"low_first": ("low", "high"), "high_first": ("high", "low")}
+# Upstream metrics that differ between Lopti phases: logged per phase as lopti/<phase>/<key>.
+PER_PHASE_METRICS = (
+    "policy_loss", "ppo_clip_ratio", "ppo_kl", "actor_grad_norm", "kl", "entropy_loss", "logprobs_diff",
+)  # fmt: skip
+# aggregate_loss values: with the "all" denominator each phase's value is its share of the batch token mean.
+SHARE_METRICS = ("policy_loss", "kl", "entropy_loss")
+# masked means over the phase's own tokens.
+MEAN_METRICS = ("ppo_clip_ratio", "ppo_kl", "logprobs_diff", "vllm_kl", "is_filter_ratio")
+EMPTY_PHASE_WEIGHT = 1e-6  # metric weight of a micro-batch with no token of the running phase
+
+
+def merge_phase_status(statuses: Dict[str, dict], token_share: Dict[str, float], denominator: str) -> dict:
+    """One status dict for the round from upstream's per-phase ``ppo_train`` results.
+
+    Args:
+        statuses: phase name -> the status dict upstream's ``ppo_train`` returned for that phase, in the
+            order the phases ran.
+        token_share: phase name -> its fraction of the batch's response tokens.
+        denominator: ``"all"`` or ``"phase"`` (``--algo.lopti_denominator``).
+
+    Returns:
+        Every key of the last phase's status (rewards, lengths, learning rate and grad norm: the last
+        optimizer step's, as upstream logs them), then ``lopti/<phase>/<key>`` for :data:`PER_PHASE_METRICS`,
+        and the round's value of the per-token metrics: the sum over phases of loss shares
+        (``"all"`` denominator) or the token-weighted mean over phases.
+    """
+    merged = dict(statuses[list(statuses)[-1]])
+    for name, status in statuses.items():
+        for key in PER_PHASE_METRICS:
+            if key in status:
+                merged[f"lopti/{name}/{key}"] = status[key]
+    for key in SHARE_METRICS + MEAN_METRICS:
+        values = {name: status[key] for name, status in statuses.items() if key in status}
+        weight = sum(token_share[name] for name in values)
+        if key in SHARE_METRICS and denominator == "all":
+            merged[key] = sum(values.values())
+        elif weight > 0:
+            merged[key] = sum(token_share[name] * value for name, value in values.items()) / weight
+    return merged
+
+
+def _nonzero_denominators(loss_batch_info: dict) -> dict:
+    # A window without any token of the phase (possible with --algo.lopti_denominator phase) counts 0 tokens;
+    # its loss is a sum over nothing, so a denominator of 1 gives the right 0 instead of 0/0 = NaN gradients.
+    fixed = dict(loss_batch_info)
+    for key in ("batch_num_tokens", "global_batch_size"):
+        if fixed.get(key) is not None:
+            value = torch.as_tensor(fixed[key], dtype=torch.float32)
+            fixed[key] = torch.where(value > 0, value, torch.ones_like(value))
+    return fixed
+
+
+class LoptiActorPPOTrainer(ActorPPOTrainer):
+    """OpenRLHF's Ray actor trainer with Advantage Reweighting, Lopti and ``fused_policy_loss``.
+
+    Same constructor as upstream's ``ActorPPOTrainer``; our settings come from ``strategy.args``
+    (``openrlhf_lopti.openrlhf.flags``). With ``ar_alpha=0``, Lopti off and ``fused_loss=off`` every step is
+    upstream's, unchanged.
+    """
+
+    def __init__(self, strategy, actor, *args, **kwargs):
+        check_config(strategy.args)  # before upstream's __init__ opens the vLLM weight-sync group
+        super().__init__(strategy, actor, *args, **kwargs)
+        self.lopti = lopti_config(self.args)
+        self.fused_backend: Optional[str] = fused_backend(self.args)
+        if self.lopti.fused_loss == "auto" and self.fused_backend is None:
+            self.strategy.print(
+                "[openrlhf-lopti] --actor.fused_loss auto: using upstream's PolicyLoss because of "
+                + "; ".join(fused_loss_blockers(self.args))
+            )
+        elif self.fused_backend == "auto":
+            from openrlhf_lopti.ops.triton import triton_available
+
+            # fused_policy_loss's own "auto" picks triton on CUDA when importable, else torch.
+            self.strategy.print(f"[openrlhf-lopti] fused policy loss, triton available: {triton_available()}")
+        self.lopti_phase: Optional[str] = None  # the Lopti phase running now: set by ppo_train, read by training_step
+        self.lopti_threshold: float = self.lopti.lopti_eta  # this round's probability threshold (eta or quantile)
+
+    # ------------------------------------------------------------------ Lopti rounds
+    def ppo_train(self, kl_ctl: float) -> Dict[str, float]:
+        """Upstream's ``ppo_train``, once per Lopti phase in order when Lopti is on, plus our round metrics."""
+        if self.lopti.ar_alpha == 0 and not self.lopti.lopti_enabled:
+            return super().ppo_train(kl_ctl)
+        items = self.replay_buffer.items
+        # Every rank takes part in the all_reduce below, even one with an empty buffer.
+        old_log_probs = torch.cat([torch.zeros(0)] + [i.action_log_probs.flatten().cpu().float() for i in items])
+        response = torch.cat([torch.zeros(0, dtype=torch.bool)] + [i.action_mask.flatten().cpu().bool() for i in items])
+
+        sums = {"tokens": response.sum().item()}
+        if self.lopti.ar_alpha > 0:
+            sums["ar_weight"] = ar_weight(old_log_probs, self.lopti.ar_alpha)[response].sum().item()
+        if self.lopti.lopti_enabled:
+            self.lopti_threshold = self._round_threshold(old_log_probs, response)
+            sums["low"] = (response & (old_log_probs.exp() < self.lopti_threshold)).sum().item()
+        sums = self.strategy.all_reduce(sums, op="sum")  # over data-parallel ranks
+
+        metrics = {}
+        tokens = max(sums["tokens"], 1.0)
+        if self.lopti.ar_alpha > 0:
+            metrics["ar/mean_weight"] = sums["ar_weight"] / tokens
+        if not self.lopti.lopti_enabled or sums["tokens"] == 0:
+            return {**super().ppo_train(kl_ctl), **metrics}
+
+        counts = {"low": sums["low"], "high": sums["tokens"] - sums["low"]}
+        metrics["lopti/low_token_frac"] = counts["low"] / tokens
+        metrics["lopti/threshold"] = self.lopti_threshold
+        statuses = {}
+        for name in PHASE_NAMES[self.lopti.lopti_order]:
+            if counts[name] == 0:  # same decision on every rank: the counts are global
+                self.strategy.print(f"[openrlhf-lopti] Lopti: no '{name}' tokens in this batch, phase skipped")
+                continue
+            self.strategy.print(f"[openrlhf-lopti] Lopti phase '{name}': {counts[name] / tokens:.1%} of the tokens")
+            self.lopti_phase = name
+            try:
+                with self._replay_items_in_phase() if self.lopti.lopti_denominator == "phase" else nullcontext():
+                    statuses[name] = super().ppo_train(kl_ctl)
+            finally:
+                self.lopti_phase = None
+        share = {name: counts[name] / tokens for name in counts}
+        return {**merge_phase_status(statuses, share, self.lopti.lopti_denominator), **metrics}
+
+    def _round_threshold(self, old_log_probs: torch.Tensor, response: torch.Tensor) -> float:
+        """``eta``, or with ``--algo.lopti_quantile`` that quantile of this rank's response-token probabilities."""
+        if self.lopti.lopti_quantile is None or not response.any():
+            return self.lopti.lopti_eta
+        threshold = quantile_threshold(old_log_probs[response].exp(), self.lopti.lopti_quantile)
+        return min(max(threshold, torch.finfo(torch.float32).tiny), 1.0)  # lopti_phases wants eta in (0, 1]
+
+    def _phase_mask(self, experience: Experience) -> torch.Tensor:
+        """Bool mask (shape of ``experience.action_mask``) of the running phase's tokens."""
+        order = self.lopti.lopti_order
+        phases = lopti_phases(
+            experience.action_log_probs, experience.action_mask, eta=self.lopti_threshold, order=order
+        )
+        return phases[PHASE_NAMES[order].index(self.lopti_phase)]
+
+    @contextmanager
+    def _replay_items_in_phase(self) -> Iterator[None]:
+        """Mask the replay-buffer items to the running phase, so upstream's ``ppo_train`` (and dynamic
+        batching) count only the phase's tokens in the token-mean denominators."""
+        items = self.replay_buffer.items
+        saved = [item.action_mask for item in items]
+        try:
+            for item in items:
+                item.action_mask = self._phase_mask(item).to(item.action_mask.dtype)
+            yield
+        finally:
+            for item, mask in zip(items, saved):
+                item.action_mask = mask
+
+    # ------------------------------------------------------------------ one micro-batch
+    def training_step(
+        self, experience: Experience, kl_ctl: float, step: int, loss_batch_info: Optional[Dict] = None
+    ) -> Dict[str, float]:
+        """Upstream's ``training_step`` on the running Lopti phase's tokens, with AR and the fused loss."""
+        if loss_batch_info is None:
+            # Upstream's training_step makes this same call when it gets None (dynamic batching); making it
+            # here, before the phase mask replaces action_mask, keeps the denominators at all response tokens.
+            loss_batch_info = get_loss_batch_info(
+                self.strategy,
+                experience.action_mask,
+                replay_buffer=self.replay_buffer,
+                step=step,
+                dynamic_batch=self.args.train.dynamic_batch_enable,
+            )
+        response_mask, advantages = experience.action_mask, experience.advantages
+        try:
+            if self.lopti_phase is not None:
+                phase = self._phase_mask(experience)
+                experience.action_mask = phase.to(response_mask.dtype)
+                experience.advantages = advantages * phase  # the other phase's tokens get no policy gradient
+                loss_batch_info = _nonzero_denominators(loss_batch_info)
+            if self.fused_backend is None:
+                if self.lopti.ar_alpha > 0:
+                    experience.advantages = reweight_advantages(
+                        experience.advantages, experience.action_log_probs, self.lopti.ar_alpha
+                    )
+                status = super().training_step(experience, kl_ctl, step, loss_batch_info)
+            else:
+                with self._fused_policy_loss(experience):
+                    status = super().training_step(experience, kl_ctl, step, loss_batch_info)
+        finally:
+            experience.action_mask, experience.advantages = response_mask, advantages
+        if status["num_action_tokens"] == 0:
+            # A micro-batch without tokens of this phase still runs (its zero loss keeps the optimizer-step
+            # windows aligned), but its masked means are 0/0 and upstream's ppo_train divides its token-weighted
+            # metrics by this count: report zeros with a negligible weight instead.
+            status["metrics"] = {
+                key: torch.nan_to_num(value, nan=0.0) if isinstance(value, torch.Tensor) else value
+                for key, value in status["metrics"].items()
+            }
+            status["num_action_tokens"] = EMPTY_PHASE_WEIGHT
+        return status
+
+    @contextmanager
+    def _fused_policy_loss(self, experience: Experience) -> Iterator[None]:
+        """Run upstream's ``training_step`` with ``fused_policy_loss`` producing the policy loss.
+
+        Upstream's step calls ``self.actor(sequences, action_mask, ...)`` for the action log-probs, then
+        ``self.actor_loss_fn(...)`` for the policy loss. For this one step:
+
+        - a forward pre-hook drops ``action_mask``, so ``Actor.forward`` returns the model output (fp32
+          logits already divided by the sampling temperature) without its own log-prob pass;
+        - a forward hook runs ``fused_policy_loss`` on those logits and returns its log-probs as the action
+          log-probs (upstream's KL term and metrics then use them, and gradients flow through them);
+        - ``actor_loss_fn`` aggregates the fused per-token loss the way ``PolicyLoss`` does.
+
+        Everything else in the step (KL, entropy, aux loss, backward, optimizer step, EMA, metrics) is
+        upstream's code. Hooks rather than a copy of ``training_step``: its 150 lines stay upstream's.
+        """
+        actor, policy_loss = self.actor, self.actor_loss_fn
+        per_token: Dict[str, PolicyLossOutput] = {}
+
+        def logits_only(module, args, kwargs):
+            if "action_mask" in kwargs:
+                kwargs["action_mask"] = None
+            else:
+                args = (args[0], None, *args[2:])
+            return args, kwargs
+
+        def fused_from_logits(module, args, kwargs, output):
+            packed = getattr(module, "packing_samples", False)
+            per_token["out"] = self._fused_outputs(output.logits, experience, packed, policy_loss)
+            return per_token["out"].logp, output
+
+        def aggregated_loss(log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, **info):
+            out = per_token.pop("out")
+            loss = aggregate_loss(out.loss, action_mask, token_level_loss=policy_loss.token_level_loss, **info)
+            clip_ratio = masked_mean(out.clipped.float(), action_mask, dim=None)
+            ppo_kl = masked_mean(-(log_probs - old_log_probs).detach(), action_mask, dim=None)
+            return loss, clip_ratio, ppo_kl, None, None
+
+        handles = [
+            actor.register_forward_pre_hook(logits_only, with_kwargs=True),
+            actor.register_forward_hook(fused_from_logits, with_kwargs=True),
+        ]
+        self.actor_loss_fn = aggregated_loss
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.actor_loss_fn = policy_loss
+
+    def _fused_outputs(
+        self, logits: torch.Tensor, experience: Experience, packed: bool, policy_loss: PolicyLoss
+    ) -> PolicyLossOutput:
+        """``fused_policy_loss`` on the actor's logits, returned as ``[B, A]`` per-action fields.
+
+        Args:
+            logits: ``[B, S, V]`` (or ``[1, T, V]`` packed: the ``T`` non-padding positions in row-major order)
+                fp32, already divided by the temperature; row ``t`` predicts token ``t + 1``.
+            experience: the micro-batch; ``sequences``/``attention_mask`` ``[B, S]``, the rest ``[B, A]``.
+            packed: whether the actor packs samples (``--ds.packing_samples``).
+            policy_loss: upstream's ``PolicyLoss`` of this trainer, for the clip settings.
+        """
+        sequences, mask = experience.sequences, experience.action_mask
+        batch, seqlen = sequences.shape
+        num_actions = mask.shape[1]
+        actions = slice(seqlen - num_actions - 1, seqlen - 1)  # logits rows predicting the response tokens
+        # Packed rows are the attention_mask positions in row-major order (flash-attn's unpad_input).
+        indices = torch.nonzero(experience.attention_mask.flatten()).flatten() if packed else None
+
+        def rows(values: torch.Tensor) -> torch.Tensor:  # [B, A] -> one value per logits row, zeros elsewhere
+            full = values.new_zeros(batch, seqlen)
+            full[:, actions] = values
+            return full.flatten() if indices is None else full.flatten()[indices]
+
+        def per_action(values: torch.Tensor) -> torch.Tensor:  # one value per logits row -> [B, A]
+            if indices is not None:
+                values = values.new_zeros(batch * seqlen).index_put((indices,), values)
+            return values.reshape(batch, seqlen)[:, actions]
+
+        labels = torch.roll(sequences, shifts=-1, dims=1).flatten()
+        out = fused_policy_loss(
+            logits.reshape(-1, logits.shape[-1]),  # a view: no copy of the [N, V] logits
+            labels if indices is None else labels[indices],
+            rows(experience.action_log_probs.float()),
+            rows(experience.advantages.float()),
+            rows(mask.bool()),
+            alpha=self.lopti.ar_alpha,
+            eps_low=policy_loss.clip_eps_low,
+            eps_high=policy_loss.clip_eps_high,
+            dual_clip=policy_loss.dual_clip,
+            temperature=1.0,  # Actor.forward has already divided the logits by the rollout temperature
+            backend=self.fused_backend,
+        )
+        return PolicyLossOutput(
+            loss=per_action(out.loss), logp=per_action(out.logp), kl=per_action(out.kl), clipped=per_action(out.clipped)
+        )

@@ -1,0 +1,205 @@
+"""``python -m openrlhf_lopti.cli.train_ppo_ray``: upstream's parser + ours, parse-time errors, example scripts."""
+
+import importlib.machinery
+import importlib.util
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from openrlhf_lopti.cli import train_ppo_ray as cli
+from openrlhf_lopti.openrlhf.cpu_stubs import STUB_MARKER
+from openrlhf_lopti.openrlhf.flags import check_config, fused_backend, lopti_config
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((REPO / "examples" / "scripts").glob("*.sh"))
+MODULE = "openrlhf_lopti.cli.train_ppo_ray"
+# The least a valid upstream invocation needs (no reward model: the remote reward file stands in).
+BASE = ["--actor.model_name_or_path", "m", "--reward.remote_url", "reward.py"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run(
+        [sys.executable, "-m", MODULE, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
+
+
+def test_help_lists_upstream_and_our_flags_without_the_gpu_stack():
+    result = run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    for flag in ("--actor.policy_loss_type", "--algo.advantage.estimator", "--vllm.num_engines"):  # upstream
+        assert flag in result.stdout
+    for flag in ("--algo.ar_alpha", "--algo.lopti_eta", "--algo.lopti_order", "--algo.lopti_quantile",
+                 "--algo.lopti_denominator", "--actor.fused_loss"):  # fmt: skip
+        assert flag in result.stdout
+
+
+def test_bad_value_of_our_flag_exits_2_with_the_flag_named():
+    result = run_cli(*BASE, "--algo.lopti_eta", "1.5")
+    assert result.returncode == 2
+    assert "argument --algo.lopti_eta: eta must be a probability threshold in (0, 1], got 1.5" in result.stderr
+
+
+def test_launch_without_the_gpu_stack_says_so():
+    if importlib.util.find_spec("vllm") is not None and not getattr(sys.modules.get("vllm"), STUB_MARKER, False):
+        pytest.skip("real vLLM installed: the same command would start Ray")
+    result = run_cli(*BASE, "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2")
+    assert result.returncode != 0
+    assert "launching needs OpenRLHF's GPU stack" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--algo.ar_alpha", "-0.1"], "argument --algo.ar_alpha: alpha must be in [0, 1], got -0.1"),
+        (["--algo.ar_alpha", "nan"], "argument --algo.ar_alpha: alpha must be in [0, 1]"),
+        (["--algo.lopti_eta", "x"], "argument --algo.lopti_eta: not a number: 'x'"),
+        (["--algo.lopti_eta", "0.5", "--algo.lopti_quantile", "1"], "argument --algo.lopti_quantile: quantile"),
+        (["--algo.lopti_order", "middle"], "argument --algo.lopti_order: invalid choice"),
+        (["--algo.lopti_denominator", "some"], "argument --algo.lopti_denominator: invalid choice"),
+        (["--actor.fused_loss", "cuda"], "argument --actor.fused_loss: invalid choice"),
+        (["--algo.lopti_quantile", "0.3"], "--algo.lopti_quantile needs Lopti switched on"),
+        (["--algo.lopti_eta", "0.5", "--actor.policy_loss_type", "gspo"], "GSPO's ratio is one per sequence"),
+        (
+            ["--algo.lopti_eta", "0.5", "--actor.loss_agg_mode", "seq-mean-token-mean"],
+            "--algo.lopti_denominator all with --actor.loss_agg_mode seq-mean-token-mean",
+        ),
+        (
+            ["--actor.fused_loss", "triton", "--actor.policy_loss_type", "gspo"],
+            "--actor.fused_loss triton does not support --actor.policy_loss_type gspo",
+        ),
+        (
+            ["--actor.fused_loss", "torch", "--ds.ring_attn_size", "2"],
+            "--actor.fused_loss torch does not support --ds.ring_attn_size > 1",
+        ),
+    ],
+)
+def test_bad_values_and_combinations_fail_at_parse_time(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_args(BASE + args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parse_runs_upstream_post_processing_and_keeps_our_flags():
+    args = cli.parse_args(
+        BASE
+        + ["--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "8"]
+        + ["--algo.ar_alpha", "0.3", "--algo.lopti_eta", "0.5", "--algo.lopti_denominator", "phase"]
+    )
+    # upstream's own post-processing ran: hierarchized, clip range filled in, remote_url split, no critic
+    assert args.actor.eps_clip_low_high == (0.2, 0.2)
+    assert args.reward.remote_url == ["reward.py"]
+    assert args.critic.model_name_or_path is None
+    assert lopti_config(args).ar_alpha == 0.3 and args.algo.lopti_eta == 0.5
+    assert args.algo.lopti_order == "low_first" and args.algo.lopti_denominator == "phase"
+    assert args.actor.fused_loss == "auto" and args.algo.lopti_quantile is None
+
+
+def test_upstream_checks_still_apply():
+    # upstream asserts that group estimators get more than one sample per prompt
+    with pytest.raises(AssertionError, match="requires n_samples_per_prompt > 1"):
+        cli.parse_args(BASE + ["--algo.advantage.estimator", "rloo"])
+
+
+def test_fused_auto_falls_back_to_upstream_loss_where_it_cannot_run():
+    gspo = cli.parse_args(BASE + ["--actor.policy_loss_type", "gspo", "--algo.ar_alpha", "0.2"])
+    assert fused_backend(gspo) is None  # auto -> upstream's PolicyLoss (AR on the advantages)
+    plain = cli.parse_args(BASE)
+    assert fused_backend(plain) == "auto"
+    off = cli.parse_args(BASE + ["--actor.fused_loss", "off"])
+    assert fused_backend(off) is None
+    check_config(gspo)  # no error: auto is allowed to fall back
+
+
+def test_missing_main_block_is_reported_with_the_file(tmp_path, monkeypatch):
+    fake = tmp_path / "train_ppo_ray.py"
+    fake.write_text("import argparse\n\ndef main():\n    parser = argparse.ArgumentParser()\n    parser.parse_args()\n")
+    spec = importlib.machinery.ModuleSpec(cli.UPSTREAM_MODULE, None, origin=str(fake))
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(RuntimeError, match=str(fake)):
+        cli.build_parser()
+
+
+# ---------------------------------------------------------------- example scripts
+RECORDER = """#!/usr/bin/env bash
+# stands in for python3 / ray: records its arguments, one NUL-terminated file per call
+printf '%s\\0' "$@" > "$ARGV_DIR/$(date +%s%N)-$$"
+"""
+
+
+def trainer_argv(script: Path, tmp_path: Path) -> list:
+    """The arguments ``script`` passes to ``openrlhf_lopti.cli.train_ppo_ray``, captured without launching."""
+    recorder = tmp_path / "record"
+    recorder.write_text(RECORDER)
+    recorder.chmod(recorder.stat().st_mode | stat.S_IEXEC)
+    argv_dir = tmp_path / "argv"
+    argv_dir.mkdir()
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.jsonl", "test.jsonl", "math500.jsonl"):
+        (data / name).write_text("{}\n")
+    env = dict(
+        os.environ,
+        ARGV_DIR=str(argv_dir),
+        PYTHON=str(recorder),
+        RAY=str(recorder),
+        DATA_DIR=str(data),
+        TRAIN_DATA=str(data / "train.jsonl"),
+        EVAL_DATA=str(data / "math500.jsonl"),
+        REWARD_FILE="reward.py",
+        HEAD_IP="127.0.0.1",
+        SAVE_DIR=str(tmp_path / "ckpt"),
+    )
+    role = ["submit"] if script.name.startswith("multinode") else []
+    result = subprocess.run(["bash", str(script), *role], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    calls = [path.read_bytes().split(b"\0")[:-1] for path in sorted(argv_dir.iterdir())]
+    calls = [[arg.decode() for arg in call] for call in calls]
+    launches = [call for call in calls if MODULE in call]
+    assert len(launches) == 1, calls
+    return launches[0][launches[0].index(MODULE) + 1 :]
+
+
+def test_there_are_scripts_for_every_variant():
+    names = {script.name for script in SCRIPTS}
+    assert {
+        "train_kk_grpo.sh",
+        "train_kk_grpo_ar.sh",
+        "train_kk_grpo_lopti.sh",
+        "train_kk_grpo_ar_lopti.sh",
+        "train_kk_reinforce_pp_ar_lopti.sh",
+        "train_math_grpo_ar.sh",
+        "multinode_kk_grpo_ar_lopti.sh",
+    } <= names
+    for script in SCRIPTS:
+        assert "set -euo pipefail" in script.read_text(), script.name
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[script.name for script in SCRIPTS])
+def test_example_script_flags_parse_with_our_parser(script, tmp_path):
+    argv = trainer_argv(script, tmp_path)
+    args = cli.parse_args(argv)  # our flags, upstream's flags and upstream's own post-parse checks
+    name = script.name
+    cfg = lopti_config(args)
+    assert cfg.ar_alpha == (0.1 if "math" in name else 0.3 if "_ar" in name else 0.0)
+    assert cfg.lopti_eta == (0.5 if "lopti" in name else 0.0)
+    assert args.actor.eps_clip_low_high == [0.2, 0.24]
+    assert args.actor.adam.lr == 1e-6 and args.algo.kl.init_coef == 0.001
+    if "reinforce" in name:
+        assert args.algo.advantage.estimator == "reinforce" and not args.algo.kl.use_loss
+        assert args.algo.kl.estimator == "k1"
+    else:
+        assert args.algo.advantage.estimator == "group_norm" and args.algo.kl.use_loss
+        assert args.algo.kl.estimator == "k3"
+    assert args.rollout.temperature == (1.0 if "math" in name else 0.7)
+    assert args.rollout.batch_size == (128 if "math" in name else 64)
+    assert args.rollout.n_samples_per_prompt == 8
+    assert args.reward.remote_url == ["reward.py"]
+    assert args.data.input_key == "prompt" and args.data.label_key == "label" and args.data.apply_chat_template
+    if name.startswith("multinode"):
+        assert args.actor.num_nodes == 2 and args.vllm.num_engines * args.vllm.tensor_parallel_size == 16

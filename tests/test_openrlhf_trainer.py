@@ -1,0 +1,583 @@
+"""LoptiActorPPOTrainer and LoptiPolicyModelActor on CPU, against OpenRLHF 0.11.2's real classes.
+
+Real: openrlhf's ``Actor`` (around a tiny random Llama), ``Experience``, ``NaiveReplayBuffer``, upstream
+``ActorPPOTrainer.ppo_train`` / ``training_step`` / ``PolicyLoss``, ``RemoteExperienceMaker``'s advantage
+estimators and ``PolicyModelActor.init_model_from_pretrained``. Stand-ins, because DeepSpeed and CUDA cannot
+run here: ``CPUStandInStrategy`` (the strategy methods the trainer calls, with DeepSpeed's gradient
+accumulation semantics), a one-process gloo group, and ``torch.cuda.current_device`` / ``synchronize``
+answered for CPU (``cuda_calls_on_cpu``).
+"""
+
+import copy
+import functools
+from types import SimpleNamespace
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+
+from openrlhf_lopti.openrlhf.cpu_stubs import install_cpu_stubs
+
+install_cpu_stubs()  # before openrlhf's trainer modules: they import flash_attn / vllm at the top
+
+import openrlhf.models.actor as openrlhf_actor  # noqa: E402
+import openrlhf.trainer.ray.ppo_actor as ppo_actor  # noqa: E402
+from openrlhf.models import Actor  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  # noqa: E402
+from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from openrlhf_lopti.algo import ar_weight  # noqa: E402
+from openrlhf_lopti.cli.train_ppo_ray import parse_args  # noqa: E402
+from openrlhf_lopti.openrlhf.actor import LoptiPolicyModelActor  # noqa: E402
+from openrlhf_lopti.openrlhf.trainer import LoptiActorPPOTrainer, merge_phase_status  # noqa: E402
+
+VOCAB, PROMPT, RESPONSE = 64, 5, 6
+PROMPTS, SAMPLES = 2, 4  # 8 responses: 2 prompts x 4 samples (GRPO groups)
+KL_CTL = 0.01
+
+
+class CPUStandInStrategy:
+    """CPU stand-in for OpenRLHF's ``DeepspeedStrategy``: the methods ``ActorPPOTrainer`` calls, one process.
+
+    Like a DeepSpeed engine with ``gradient_accumulation_steps = gas``: ``backward`` scales the loss by
+    ``1/gas`` and ``optimizer_step`` steps (clip, AdamW, scheduler) every ``gas``-th call; with dynamic
+    batching OpenRLHF sets gas to 1 and calls ``optimizer_step`` only at step boundaries. Each step is
+    recorded with the trainer's running Lopti phase and, if asked, a copy of the gradients.
+    """
+
+    def __init__(self, args, accumulated_gradient: int = 1, max_norm: float = 1.0, record_grads: bool = False):
+        self.args = args
+        self.accumulated_gradient = accumulated_gradient
+        self.max_norm = max_norm
+        self.record_grads = record_grads
+        self.ring_attn_group = None
+        self.ds_device_mesh = {"dp": SimpleNamespace(get_group=lambda: dist.group.WORLD)}
+        self.trainer = None  # set by the test, to record the phase of each step
+        self.steps = []  # one dict per optimizer step
+        self._calls = 0
+        self._grad_norm = 0.0
+
+    @property
+    def _gas(self) -> int:
+        return 1 if self.args.train.dynamic_batch_enable else self.accumulated_gradient
+
+    def backward(self, loss, model, optimizer, **kwargs):
+        (loss / self._gas).backward()
+
+    def optimizer_step(self, optimizer, model, scheduler, name="model", **kwargs):
+        self._calls += 1
+        if self._calls % self._gas:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+        self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm).item()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        self.steps.append(
+            {
+                "phase": getattr(self.trainer, "lopti_phase", None),
+                "grads": grads if self.record_grads else None,
+                "params": [p.detach().clone() for p in params],
+            }
+        )
+
+    def get_grad_norm(self, model):
+        return self._grad_norm
+
+    def all_reduce(self, data, op="mean"):
+        return data  # one rank
+
+    def moving_average(self, *args, **kwargs):
+        raise AssertionError("no EMA in these tests")
+
+    def is_rank_0(self):
+        return True
+
+    def get_rank(self):
+        return 0
+
+    def print(self, *msg):
+        pass
+
+    # used by PolicyModelActor.init_model_from_pretrained
+    def setup_distributed(self):
+        assert dist.is_initialized()
+
+    def get_ds_train_config(self, *args, **kwargs):
+        return None
+
+    def get_ds_eval_config(self, *args, **kwargs):
+        return None
+
+    def prepare(self, model_and_cfg):
+        actor, cfg = model_and_cfg
+        optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg["adam"]["lr"], betas=cfg["adam"]["betas"])
+        return actor, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gloo_world(tmp_path_factory):
+    """A one-process gloo group: upstream's trainer calls torch.distributed (barrier, all_reduce)."""
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("dist") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def cuda_calls_on_cpu(monkeypatch):
+    """Upstream's trainer code calls torch.cuda.current_device() / synchronize() unconditionally."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    return monkeypatch
+
+
+@pytest.fixture(scope="module")
+def model_config():
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+
+
+@pytest.fixture(scope="module")
+def base_state(model_config):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(model_config)
+    model.lm_head.weight.data *= 4  # peaky next-token distributions: sampled tokens have both low and high p
+    return copy.deepcopy(model.state_dict())
+
+
+@pytest.fixture
+def env(model_config, base_state, rollout, cuda_calls_on_cpu):
+    """What every round needs: the tiny model's config and weights, the rollout, the CUDA-call patches."""
+    return SimpleNamespace(config=model_config, state=base_state, rollout=rollout, monkeypatch=cuda_calls_on_cpu)
+
+
+def make_actor(env, args) -> Actor:
+    model = LlamaForCausalLM(env.config)
+    model.load_state_dict(env.state)
+    actor = Actor(model, temperature=args.rollout.temperature)
+    actor.packing_samples = args.ds.packing_samples  # set by Actor.__init__ only when it loads a checkpoint path
+    return actor
+
+
+@pytest.fixture(scope="module")
+def rollout(model_config, base_state):
+    """8 responses sampled from the tiny model: left-padded prompts, right-padded responses, rewards."""
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(model_config)
+    model.load_state_dict(base_state)
+    model.eval()
+    batch = PROMPTS * SAMPLES
+    sequences = torch.zeros(batch, PROMPT + RESPONSE, dtype=torch.long)
+    attention_mask = torch.zeros(batch, PROMPT + RESPONSE, dtype=torch.long)
+    prompts = [torch.randint(1, VOCAB, (int(torch.randint(3, PROMPT + 1, ()).item()),)) for _ in range(PROMPTS)]
+    with torch.no_grad():
+        for i in range(batch):
+            prompt = prompts[i // SAMPLES]
+            tokens = prompt.clone()
+            length = int(torch.randint(3, RESPONSE + 1, ()).item())  # as if EOS came early
+            for _ in range(length):
+                probs = torch.softmax(model(tokens[None]).logits[0, -1].float(), -1)
+                tokens = torch.cat([tokens, torch.multinomial(probs, 1)])
+            sequences[i, PROMPT - len(prompt) : PROMPT + length] = tokens
+            attention_mask[i, PROMPT - len(prompt) : PROMPT + length] = 1
+    rewards = torch.randn(batch)
+    return SimpleNamespace(sequences=sequences, attention_mask=attention_mask, rewards=rewards)
+
+
+def make_experience(rollout, actor: Actor, ref_noise: float = 0.1) -> Experience:
+    """OpenRLHF Experience: old log-probs from the actor itself, GRPO advantages, a reference policy."""
+    action_mask = rollout.attention_mask[:, PROMPT:].bool()
+    with torch.no_grad():
+        old = actor(rollout.sequences, action_mask, rollout.attention_mask)
+    gen = torch.Generator().manual_seed(2)
+    ref = (old + ref_noise * torch.randn(old.shape, generator=gen)) * action_mask
+    grouped = rollout.rewards.reshape(PROMPTS, SAMPLES)
+    scores = ((grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + 1e-9)).reshape(-1)
+    advantages = scores[:, None] * action_mask
+    return Experience(
+        sequences=rollout.sequences.clone(),
+        attention_mask=rollout.attention_mask.clone(),
+        action_mask=action_mask,
+        action_log_probs=old,
+        base_action_log_probs=ref,
+        advantages=advantages,
+        returns=advantages.clone(),
+        rewards=rollout.rewards.clone(),
+        response_length=action_mask.sum(-1).float(),
+        total_length=rollout.attention_mask.sum(-1).float(),
+        info={"reward": rollout.rewards.clone()},
+    )
+
+
+def make_args(*flags: str):
+    """Real parsed args (upstream's parser and post-processing + ours): 8 samples, micro-batches of 2."""
+    base = [
+        "--actor.model_name_or_path", "tiny", "--reward.remote_url", "reward.py",
+        "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", str(SAMPLES),
+        "--rollout.batch_size", str(PROMPTS), "--train.batch_size", "4", "--train.micro_batch_size", "2",
+        "--actor.eps_clip_low_high", "0.2", "0.24", "--actor.fused_loss", "off",
+    ]  # fmt: skip
+    return parse_args(base + list(flags))
+
+
+def make_trainer(env, cls, args, actor, gas=1, record_grads=False):
+    strategy = CPUStandInStrategy(args, accumulated_gradient=gas, record_grads=record_grads)
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    with env.monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "current_device", lambda: 0)  # NaiveReplayBuffer builds torch.device("cuda:0")
+        trainer = cls(
+            strategy, actor, None, optimizer, scheduler,
+            micro_train_batch_size=args.train.micro_batch_size, dataloader_pin_memory=False,
+        )  # fmt: skip
+    strategy.trainer = trainer
+    return trainer, strategy
+
+
+def train_round(env, cls, args, gas=1, record_grads=False, edit=None):
+    """One ``ppo_train`` round on the rollout; ``edit(experience)`` may change the experience first."""
+    actor = make_actor(env, args)
+    trainer, strategy = make_trainer(env, cls, args, actor, gas, record_grads)
+    experience = make_experience(env.rollout, actor)
+    if edit is not None:
+        edit(experience)
+    trainer.replay_buffer.append(experience)
+    torch.manual_seed(3)  # the DataLoader's shuffle
+    status = trainer.ppo_train(KL_CTL)
+    return SimpleNamespace(trainer=trainer, strategy=strategy, status=status, actor=actor, experience=experience)
+
+
+def params_equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.actor.parameters(), b.actor.parameters()))
+
+
+@pytest.fixture
+def spy_upstream_step(monkeypatch):
+    """Record what upstream's training_step receives (after our phase masking) and its forward's log-probs."""
+    calls = []
+    upstream = ppo_actor.ActorPPOTrainer.training_step
+
+    def spy(self, experience, kl_ctl, step, loss_batch_info=None):
+        forward = []
+        handle = self.actor.register_forward_hook(lambda module, inputs, output: forward.append(output[0].detach()))
+        try:
+            status = upstream(self, experience, kl_ctl, step, loss_batch_info)
+        finally:
+            handle.remove()
+        mask = experience.action_mask.bool()
+        calls.append(
+            {
+                "phase": getattr(self, "lopti_phase", None),
+                "mask": experience.action_mask.clone(),
+                "response": experience.attention_mask[:, -experience.action_mask.shape[1] :].bool(),
+                "advantages": experience.advantages.clone(),
+                "old": experience.action_log_probs.clone(),
+                "batch_num_tokens": float(loss_batch_info["batch_num_tokens"]),
+                # how far the step's own forward is from the rollout's log-probs on the phase's tokens
+                "drift": (forward[0] - experience.action_log_probs).abs()[mask].max().item() if mask.any() else 0.0,
+            }
+        )
+        return status
+
+    monkeypatch.setattr(ppo_actor.ActorPPOTrainer, "training_step", spy)
+    return calls
+
+
+# ---------------------------------------------------------------- Lopti phases
+Lopti = LoptiActorPPOTrainer
+Upstream = ppo_actor.ActorPPOTrainer
+
+
+@pytest.mark.parametrize("order", ["low_first", "high_first"])
+def test_phases_run_in_order_each_a_full_pass_with_its_optimizer_steps(order, env, spy_upstream_step):
+    args = make_args("--algo.lopti_eta", "0.5", "--algo.lopti_order", order, "--train.max_epochs", "2")
+    run = train_round(env, Lopti, args, gas=2)
+    first, second = ("low", "high") if order == "low_first" else ("high", "low")
+    # 8 samples / micro-batches of 2 = 4 micro-batches per epoch, 2 epochs, per phase; one step per 2 (gas)
+    assert [call["phase"] for call in spy_upstream_step] == [first] * 8 + [second] * 8
+    assert [step["phase"] for step in run.strategy.steps] == [first] * 4 + [second] * 4
+    assert run.trainer.lopti_phase is None  # reset after the round
+
+
+@pytest.mark.parametrize("denominator", ["all", "phase"])
+def test_phase_masks_advantages_and_denominators(denominator, env, spy_upstream_step):
+    args = make_args("--algo.lopti_eta", "0.5", "--algo.lopti_denominator", denominator)
+    run = train_round(env, Lopti, args)
+    original = make_experience(env.rollout, make_actor(env, args))
+    seen_tokens = {"low": 0, "high": 0}
+    for call in spy_upstream_step:
+        low = call["response"] & (call["old"].exp() < 0.5)
+        expected = low if call["phase"] == "low" else call["response"] & ~low
+        assert torch.equal(call["mask"].bool(), expected)
+        assert torch.all(call["advantages"][~expected] == 0)  # the other phase's tokens: no policy gradient
+        assert torch.all(call["advantages"][expected] != 0)
+        # gas = 1: one micro-batch per window; "all" counts every response token, "phase" only the phase's
+        count = (call["response"] if denominator == "all" else expected).sum().item()
+        assert call["batch_num_tokens"] == max(count, 1)
+        seen_tokens[call["phase"]] += expected.sum().item()
+    response = original.action_mask
+    low_total = (response & (original.action_log_probs.exp() < 0.5)).sum().item()
+    assert seen_tokens == {"low": low_total, "high": response.sum().item() - low_total}
+    assert 0 < low_total < response.sum().item()  # both phases are exercised
+    # the rollout's old log-probs (PPO anchor, threshold) are never changed by the phases
+    assert torch.equal(run.experience.action_log_probs, original.action_log_probs)
+
+
+@pytest.mark.parametrize("fused", ["off", "torch"])
+@pytest.mark.parametrize("denominator", ["all", "phase"])
+def test_eta_putting_every_token_in_one_phase_is_exactly_the_baseline(fused, denominator, env):
+    common = ["--actor.fused_loss", fused, "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
+    baseline = train_round(env, Lopti, make_args(*common), gas=2)
+    assert (baseline.experience.action_log_probs.exp()[baseline.experience.action_mask] < 1).all()
+    for eta, order in [("1.0", "low_first"), ("1e-30", "high_first")]:  # all "low" / all "high", first phase
+        flags = ["--algo.lopti_eta", eta, "--algo.lopti_order", order, "--algo.lopti_denominator", denominator]
+        lopti = train_round(env, Lopti, make_args(*common, *flags), gas=2)
+        assert len(lopti.strategy.steps) == len(baseline.strategy.steps) == 2  # the empty phase is skipped
+        assert params_equal(lopti, baseline)
+        assert lopti.status["policy_loss"] == baseline.status["policy_loss"]
+        assert lopti.status["lopti/low_token_frac"] == (1.0 if eta == "1.0" else 0.0)
+
+
+def test_first_phase_ignores_everything_about_the_other_tokens(env):
+    flags = ["--algo.lopti_eta", "0.5", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
+    args = make_args(*flags, "--actor.fused_loss", "torch")
+
+    def scramble_high_tokens(experience):
+        high = experience.action_mask & (experience.action_log_probs.exp() >= 0.5)
+        experience.advantages[high] = 100.0 * torch.randn(int(high.sum()))
+        experience.base_action_log_probs[high] -= 3.0
+
+    plain = train_round(env, Lopti, args)
+    scrambled = train_round(env, Lopti, args, edit=scramble_high_tokens)
+    low_steps = [i for i, step in enumerate(plain.strategy.steps) if step["phase"] == "low"]
+    assert low_steps
+    for i in low_steps:  # after every low-phase step the weights are the same
+        same = zip(plain.strategy.steps[i]["params"], scrambled.strategy.steps[i]["params"])
+        assert all(torch.equal(a, b) for a, b in same)
+    assert not params_equal(plain, scrambled)  # the high phase does see them
+
+
+def test_second_phase_recomputes_the_forward_with_the_updated_weights(env, spy_upstream_step):
+    train_round(env, Lopti, make_args("--algo.lopti_eta", "0.5"))
+    first = {}
+    for call in spy_upstream_step:
+        first.setdefault(call["phase"], call)
+    assert first["low"]["drift"] < 1e-5  # untouched weights reproduce the rollout's log-probs
+    assert first["high"]["drift"] > 1e-3  # after the low phase's optimizer steps: a fresh forward, new log-probs
+
+
+# ---------------------------------------------------------------- AR, fused loss, upstream equality
+def test_everything_off_is_upstream_exactly(env, monkeypatch):
+    # torch.compile of upstream's entropy takes ~16 s on CPU; its eager body computes the same numbers
+    compiled = openrlhf_actor.compute_entropy
+    monkeypatch.setattr(openrlhf_actor, "compute_entropy", getattr(compiled, "_torchdynamo_orig_callable", compiled))
+    flags = ["--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.entropy_coef", "0.01"]
+    args = make_args(*flags, "--actor.dual_clip", "3", "--actor.fused_loss", "off", "--algo.ar_alpha", "0")
+    ours = train_round(env, Lopti, args, gas=2, record_grads=True)
+    upstream = train_round(env, Upstream, args, gas=2, record_grads=True)
+    assert len(ours.strategy.steps) == len(upstream.strategy.steps) == 2
+    for a, b in zip(ours.strategy.steps, upstream.strategy.steps):
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+    assert params_equal(ours, upstream)
+    assert ours.status == upstream.status
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("alpha", ["0", "0.3"])
+def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, env):
+    flags = ["--algo.ar_alpha", alpha, "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.dual_clip", "3"]
+    if packing:
+        flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
+    # reference: upstream's PolicyLoss; with alpha > 0 our off path reweights the advantages (AR) before it
+    reference_cls = Upstream if alpha == "0" else Lopti
+    reference = train_round(env, reference_cls, make_args(*flags, "--actor.fused_loss", "off"), record_grads=True)
+    fused = train_round(env, Lopti, make_args(*flags, "--actor.fused_loss", "torch"), record_grads=True)
+    assert fused.trainer.fused_backend == "torch" and fused.actor.packing_samples == packing
+    assert len(fused.strategy.steps) == len(reference.strategy.steps) == 4
+    for x, y in zip(fused.strategy.steps[0]["grads"], reference.strategy.steps[0]["grads"]):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    for key in ("policy_loss", "kl", "ppo_clip_ratio", "ppo_kl"):
+        assert fused.status[key] == pytest.approx(reference.status[key], rel=1e-4, abs=1e-6), key
+
+
+def test_ar_changes_the_update_and_logs_the_mean_weight(env):
+    plain = train_round(env, Lopti, make_args())
+    ar = train_round(env, Lopti, make_args("--algo.ar_alpha", "0.3"))
+    assert not params_equal(plain, ar)
+    old, mask = ar.experience.action_log_probs, ar.experience.action_mask
+    assert ar.status["ar/mean_weight"] == pytest.approx(ar_weight(old, 0.3)[mask].mean().item(), rel=1e-6)
+    assert "ar/mean_weight" not in plain.status
+
+
+# ---------------------------------------------------------------- metrics, quantile, dynamic batching
+def test_lopti_metrics_in_the_status(env):
+    flags = ["--algo.lopti_eta", "0.5", "--algo.ar_alpha", "0.3", "--actor.fused_loss", "torch"]
+    run = train_round(env, Lopti, make_args(*flags))
+    status = run.status
+    old, mask = run.experience.action_log_probs, run.experience.action_mask
+    assert status["lopti/low_token_frac"] == pytest.approx((old.exp()[mask] < 0.5).float().mean().item())
+    assert status["lopti/threshold"] == 0.5
+    for phase in ("low", "high"):
+        for key in ("policy_loss", "ppo_clip_ratio", "actor_grad_norm", "ppo_kl"):
+            assert f"lopti/{phase}/{key}" in status
+    assert status["actor_grad_norm"] == status["lopti/high/actor_grad_norm"]  # the last step's, as upstream
+    share = status["lopti/low_token_frac"]
+    clip = share * status["lopti/low/ppo_clip_ratio"] + (1 - share) * status["lopti/high/ppo_clip_ratio"]
+    assert status["ppo_clip_ratio"] == pytest.approx(clip)
+    assert status["policy_loss"] == pytest.approx(status["lopti/low/policy_loss"] + status["lopti/high/policy_loss"])
+    assert all(torch.isfinite(torch.tensor(float(v))) for v in status.values() if isinstance(v, (int, float)))
+
+
+def test_merge_phase_status_rules():
+    statuses = {
+        "low": {"policy_loss": 1.0, "ppo_clip_ratio": 0.5, "actor_grad_norm": 3.0, "reward": 0.2},
+        "high": {"policy_loss": 2.0, "ppo_clip_ratio": 0.1, "actor_grad_norm": 4.0, "reward": 0.2},
+    }
+    share = {"low": 0.25, "high": 0.75}
+    merged = merge_phase_status(statuses, share, "all")
+    assert merged["policy_loss"] == 3.0  # shares of one all-token mean add up
+    assert merged["ppo_clip_ratio"] == pytest.approx(0.25 * 0.5 + 0.75 * 0.1)
+    assert merged["actor_grad_norm"] == 4.0 and merged["reward"] == 0.2
+    assert merged["lopti/low/actor_grad_norm"] == 3.0 and merged["lopti/high/policy_loss"] == 2.0
+    assert merge_phase_status(statuses, share, "phase")["policy_loss"] == pytest.approx(0.25 * 1.0 + 0.75 * 2.0)
+    only_high = merge_phase_status({"high": statuses["high"]}, {"low": 0.0, "high": 1.0}, "all")
+    assert only_high["policy_loss"] == 2.0 and "lopti/low/policy_loss" not in only_high
+
+
+def test_quantile_sets_the_fraction_of_low_tokens(env):
+    run = train_round(env, Lopti, make_args("--algo.lopti_eta", "0.5", "--algo.lopti_quantile", "0.4"))
+    probs = run.experience.action_log_probs.exp()[run.experience.action_mask]
+    assert run.status["lopti/threshold"] == pytest.approx(torch.quantile(probs, 0.4).item(), rel=1e-6)
+    assert run.status["lopti/low_token_frac"] == pytest.approx(0.4, abs=1.0 / probs.numel() + 1e-9)
+
+
+@pytest.mark.parametrize("fused", ["off", "torch"])
+def test_dynamic_batching(fused, env, spy_upstream_step):
+    # a token budget per micro-batch (upstream then packs samples); 2 optimizer steps of 4 samples per pass
+    dynamic = ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "24", "--vllm.num_engines", "1"]
+    dynamic += ["--actor.fused_loss", fused, "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
+    baseline = train_round(env, Lopti, make_args(*dynamic))
+    assert baseline.actor.packing_samples and len(baseline.strategy.steps) == 2
+    assert len(spy_upstream_step) > 2  # the token budget split the steps into several micro-batches
+    whole = train_round(env, Lopti, make_args(*dynamic, "--algo.lopti_eta", "1.0"))
+    assert params_equal(whole, baseline)
+    spy_upstream_step.clear()
+    lopti = train_round(env, Lopti, make_args(*dynamic, "--algo.lopti_eta", "0.5"))
+    assert [step["phase"] for step in lopti.strategy.steps] == ["low", "low", "high", "high"]
+    for call in spy_upstream_step:  # "all": each step's denominator counts all response tokens of its samples
+        assert call["batch_num_tokens"] >= call["response"].sum().item()
+    assert all(torch.isfinite(p).all() for p in lopti.actor.parameters())
+
+
+# ---------------------------------------------------------------- every upstream advantage estimator
+ESTIMATORS = ["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce"]
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_every_advantage_estimator(estimator, env):
+    flags = ["--algo.ar_alpha", "0.3", "--algo.lopti_eta", "0.5", "--actor.fused_loss", "torch"]
+    args = make_args("--algo.advantage.estimator", estimator, *flags)
+
+    def upstream_advantages(experience):
+        # what OpenRLHF's experience maker does to a batch, with its own code
+        experience.index = list(range(len(experience.sequences)))
+        experience.kl = torch.zeros_like(experience.action_log_probs)
+        experience.values = 0.1 * torch.randn(experience.action_log_probs.shape) * experience.action_mask
+        kl_ctl = FixedKLController(KL_CTL)
+        maker = RemoteExperienceMaker(None, None, None, None, kl_ctl, SimpleNamespace(args=args), None)
+        (done,) = maker.compute_advantages_and_returns([experience])
+        experience.advantages, experience.index, experience.values = done.advantages, None, None
+
+    run = train_round(env, Lopti, args, edit=upstream_advantages)
+    assert [step["phase"] for step in run.strategy.steps] == ["low"] * 4 + ["high"] * 4
+    assert all(torch.isfinite(p).all() for p in run.actor.parameters())
+    assert torch.isfinite(torch.tensor(run.status["policy_loss"]))
+
+
+# ---------------------------------------------------------------- start-up errors
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"actor.policy_loss_type": "gspo", "algo.lopti_eta": 0.5}, "GSPO's ratio is one per sequence"),
+        (
+            {"actor.fused_loss": "torch", "algo.advantage.is_correction_level": "token"},
+            "does not support --algo.advantage.is_correction_level",
+        ),
+        ({"algo.lopti_eta": 0.5, "actor.loss_agg_mode": "seq-mean-token-mean"}, "--algo.lopti_denominator all with"),
+        ({"algo.ar_alpha": 2.0}, r"alpha must be in \[0, 1\]"),
+    ],
+)
+def test_trainer_rejects_what_cannot_work_at_start_up(edit, message, env):
+    args = make_args()  # valid; then edited the way a caller building args by hand could
+    for dotted, value in edit.items():
+        *sections, name = dotted.split(".")
+        setattr(functools.reduce(getattr, sections, args), name, value)
+    with pytest.raises(ValueError, match=message):
+        make_trainer(env, Lopti, args, make_actor(env, args))
+
+
+# ---------------------------------------------------------------- the Ray actor class, in process
+@pytest.mark.parametrize("shipped", [True, False], ids=["as-ray-ships-it", "plain-class"])
+def test_policy_model_actor_builds_our_trainer_and_trains(shipped, env, tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    assert issubclass(LoptiPolicyModelActor.__ray_actor_class__, ppo_actor.PolicyModelActor.__ray_actor_class__)
+    assert LoptiPolicyModelActor.__ray_metadata__.num_gpus == 1
+    actor_class = LoptiPolicyModelActor.__ray_actor_class__
+    if shipped:
+        # What a Ray actor process runs: the class cloudpickled by value, so its methods (upstream's too) look
+        # global names up in copies of their modules' globals, not in the modules.
+        modified = LoptiPolicyModelActor.__ray_metadata__.modified_class
+        actor_class = ray.cloudpickle.loads(ray.cloudpickle.dumps(modified))
+
+    model = LlamaForCausalLM(env.config)
+    model.load_state_dict(env.state)
+    model.save_pretrained(tmp_path)
+    word_level = models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(word_level), eos_token="t2", pad_token="t0")
+    tokenizer.save_pretrained(tmp_path)
+
+    args = make_args(
+        "--algo.lopti_eta", "0.5", "--algo.ar_alpha", "0.3", "--actor.fused_loss", "torch",
+        "--ds.attn_implementation", "sdpa", "--vllm.sync_backend", "gloo", "--actor.adam.lr", "1e-3",
+    )  # fmt: skip
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):  # the actor's __init__ sets them
+        env.monkeypatch.setenv(key, "0")  # so that the test's teardown restores them
+    policy = actor_class(1, 0, "127.0.0.1", 29500)
+    strategy = CPUStandInStrategy(args)
+    with env.monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "current_device", lambda: 0)  # NaiveReplayBuffer builds torch.device("cuda:0")
+        policy.init_model_from_pretrained(strategy, str(tmp_path), max_steps=10)
+    assert type(policy.trainer) is LoptiActorPPOTrainer
+    upstream_class = next(c for c in actor_class.__mro__ if c.__name__ == "PolicyModelActor")
+    assert upstream_class.init_model_from_pretrained.__globals__["ActorPPOTrainer"] is Upstream  # restored
+    strategy.trainer = policy.trainer
+
+    action_mask = env.rollout.attention_mask[:, PROMPT:]
+    old = policy.forward(env.rollout.sequences, action_mask, env.rollout.attention_mask)  # upstream's method
+    experience = make_experience(env.rollout, policy.actor)
+    torch.testing.assert_close(old, experience.action_log_probs, rtol=0, atol=0)
+    policy.append(experience)
+    status = policy.fit(kl_ctl=KL_CTL)
+    assert [step["phase"] for step in strategy.steps] == ["low"] * 4 + ["high"] * 4
+    assert {"lopti/low/policy_loss", "lopti/high/policy_loss", "ar/mean_weight", "lopti/low_token_frac"} <= set(status)
+    assert not policy.trainer.replay_buffer.items  # fit clears the buffer, as upstream
