@@ -16,6 +16,8 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from openrlhf_lopti.openrlhf.cpu_stubs import install_cpu_stubs
 
@@ -385,10 +387,14 @@ def test_second_phase_recomputes_the_forward_with_the_updated_weights(env, spy_u
 
 
 # ---------------------------------------------------------------- AR, fused loss, upstream equality
-def test_everything_off_is_upstream_exactly(env, monkeypatch):
-    # torch.compile of upstream's entropy takes ~16 s on CPU; its eager body computes the same numbers
+@pytest.fixture
+def eager_entropy(monkeypatch):
+    """torch.compile of upstream's ``compute_entropy`` takes ~16 s on CPU; its eager body gives the same numbers."""
     compiled = openrlhf_actor.compute_entropy
     monkeypatch.setattr(openrlhf_actor, "compute_entropy", getattr(compiled, "_torchdynamo_orig_callable", compiled))
+
+
+def test_everything_off_is_upstream_exactly(env, eager_entropy):
     flags = ["--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.entropy_coef", "0.01"]
     args = make_args(*flags, "--actor.dual_clip", "3", "--actor.fused_loss", "off", "--algo.ar_alpha", "0")
     ours = train_round(env, Lopti, args, gas=2, record_grads=True)
@@ -416,6 +422,72 @@ def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, env):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
     for key in ("policy_loss", "kl", "ppo_clip_ratio", "ppo_kl"):
         assert fused.status[key] == pytest.approx(reference.status[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_fused_entropy_matches_upstream_entropy_loss_and_gradients(packing, env, eager_entropy):
+    # Lopti masks the entropy term to each phase; temperature 0.7: the kernel divides, not Actor.forward
+    flags = ["--actor.entropy_coef", "0.5", "--rollout.temperature", "0.7", "--algo.lopti_eta", "0.5"]
+    flags += ["--algo.ar_alpha", "0.3", "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.dual_clip", "3"]
+    if packing:
+        flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
+    reference = train_round(env, Lopti, make_args(*flags, "--actor.fused_loss", "off"), record_grads=True)
+    fused = train_round(env, Lopti, make_args(*flags, "--actor.fused_loss", "torch"), record_grads=True)
+    assert fused.actor.temperature == 0.7 and fused.actor.packing_samples == packing
+    phases = [step["phase"] for step in fused.strategy.steps]
+    assert phases == [step["phase"] for step in reference.strategy.steps] == ["low"] * 4 + ["high"] * 4
+    for i in (0, phases.index("high")):  # the first step of each phase
+        for x, y in zip(fused.strategy.steps[i]["grads"], reference.strategy.steps[i]["grads"]):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    for key in ("entropy_loss", "lopti/low/entropy_loss", "lopti/high/entropy_loss", "policy_loss", "kl"):
+        assert fused.status[key] == pytest.approx(reference.status[key], rel=1e-4, abs=1e-6), key
+    assert fused.status["entropy_loss"] > 0.1  # a real entropy term, large enough to move the gradients
+
+
+class VocabSizedTensorSpy(TorchDispatchMode):
+    """Records every op run (forward and backward) and each tensor it returns whose last dim is the vocabulary."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+        self.vocab_sized = []  # (op name, dtype, shape)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.add(str(func))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.shape[-1] == VOCAB:
+                self.vocab_sized.append((str(func), tensor.dtype, tuple(tensor.shape)))
+        return out
+
+    def float32(self):
+        return [seen for seen in self.vocab_sized if seen[1] == torch.float32]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_fused_loss_never_makes_an_fp32_copy_of_the_logits(packing, env):
+    from openrlhf_lopti.ops.cpp_policy_loss import cpp_available
+
+    assert cpp_available()  # "auto" on CPU: the C++ kernel, which reads bf16 logits without upcasting them
+    flags = ["--actor.entropy_coef", "0.01", "--rollout.temperature", "0.7", "--algo.ar_alpha", "0.3"]
+    if packing:
+        flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
+    spies = {}
+    for fused in ("off", "auto"):
+        args = make_args(*flags, "--actor.fused_loss", fused)
+        actor = make_actor(env, args).to(torch.bfloat16)  # bf16 weights: bf16 logits, as on a GPU
+        trainer, strategy = make_trainer(env, Lopti, args, actor)
+        trainer.replay_buffer.append(make_experience(env.rollout, actor))
+        with VocabSizedTensorSpy() as spies[fused]:
+            trainer.ppo_train(KL_CTL)
+        assert len(strategy.steps) == 4 and all(torch.isfinite(p).all() for p in actor.parameters())
+    # the spy sees the fp32 copy upstream's Actor.forward makes (logits.to(torch.float32)) ...
+    assert any(op == "aten._to_copy.default" for op, _, _ in spies["off"].float32())
+    # ... and, in the fused path, the kernel's forward and its bf16 [N, V] logits gradient, but nothing fp32
+    fwd, bwd = "openrlhf_lopti.policy_loss_fwd.default", "openrlhf_lopti.policy_loss_bwd.default"
+    assert {fwd, bwd} <= spies["auto"].ops
+    assert (bwd, torch.bfloat16) in {seen[:2] for seen in spies["auto"].vocab_sized}
+    assert spies["auto"].float32() == []
 
 
 def test_ar_changes_the_update_and_logs_the_mean_weight(env):

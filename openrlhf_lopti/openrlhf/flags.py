@@ -134,8 +134,8 @@ def add_lopti_flags(parser: argparse.ArgumentParser) -> None:
         "--actor.fused_loss",
         choices=FUSED_LOSS_CHOICES,
         default="auto",
-        help="policy loss through openrlhf-lopti's fused_policy_loss: auto (triton on GPU when importable, "
-        "else torch; upstream's PolicyLoss for settings the fused loss does not cover), triton, torch, or "
+        help="policy loss through openrlhf-lopti's fused_policy_loss: auto (triton on GPU, the C++ kernel on "
+        "CPU when built, else torch; upstream's PolicyLoss for settings the fused loss does not cover), triton, torch, or "
         "off (upstream's PolicyLoss, AR applied to the advantages)",
     )
 

@@ -15,9 +15,12 @@ What each flag changes, and where (the math itself is ``openrlhf_lopti.algo`` / 
   (every response token, as in the authors' code); ``phase`` applies it to the replay-buffer items before
   upstream's ``ppo_train`` counts them.
 - ``--actor.fused_loss``: ``_fused_policy_loss`` routes upstream's ``training_step`` through
-  ``fused_policy_loss`` (see its docstring); ``off`` leaves upstream's ``PolicyLoss`` in place.
+  ``fused_policy_loss`` (see its docstring): hooks on the ``Actor`` and on ``actor.model`` hand the kernel the
+  model's logits in their own dtype and give upstream's step the kernel's log-probs and entropy, so no fp32
+  ``[N, V]`` copy of the logits is made; ``off`` leaves upstream's ``PolicyLoss`` in place.
 """
 
+import inspect
 from contextlib import contextmanager, nullcontext
 from typing import Dict, Iterator, Optional
 
@@ -108,7 +111,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         elif self.fused_backend == "auto":
             from openrlhf_lopti.ops.triton import triton_available
 
-            # fused_policy_loss's own "auto" picks triton on CUDA when importable, else torch.
+            # fused_policy_loss's own "auto" picks triton on CUDA when importable, cpp on CPU when built.
             self.strategy.print(f"[openrlhf-lopti] fused policy loss, triton available: {triton_available()}")
         self.lopti_phase: Optional[str] = None  # the Lopti phase running now: set by ppo_train, read by training_step
         self.lopti_threshold: float = self.lopti.lopti_eta  # this round's probability threshold (eta or quantile)
@@ -231,45 +234,66 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
 
     @contextmanager
     def _fused_policy_loss(self, experience: Experience) -> Iterator[None]:
-        """Run upstream's ``training_step`` with ``fused_policy_loss`` producing the policy loss.
+        """Run upstream's ``training_step`` with ``fused_policy_loss`` producing the policy loss (and entropy).
 
-        Upstream's step calls ``self.actor(sequences, action_mask, ...)`` for the action log-probs, then
-        ``self.actor_loss_fn(...)`` for the policy loss. For this one step:
+        Upstream's step calls ``self.actor(sequences, action_mask, ..., return_entropy=...)`` for the action
+        log-probs (and ``output.entropy``), then ``self.actor_loss_fn(...)`` for the policy loss. For this one
+        step:
 
-        - a forward pre-hook drops ``action_mask``, so ``Actor.forward`` returns the model output (fp32
-          logits already divided by the sampling temperature) without its own log-prob pass;
-        - a forward hook runs ``fused_policy_loss`` on those logits and returns its log-probs as the action
-          log-probs (upstream's KL term and metrics then use them, and gradients flow through them);
+        - a forward pre-hook on the ``Actor`` passes ``action_mask=None`` and ``return_entropy=False``, so
+          ``Actor.forward`` makes neither its log-prob pass nor its entropy pass and returns the model output;
+        - a forward hook on ``actor.model`` (the HF model, or the DeepSpeed engine around it) runs
+          ``fused_policy_loss`` on the model's logits in their own dtype (the kernel divides by the actor's
+          ``temperature`` itself), then swaps ``output.logits`` for an empty ``[..., 0]`` tensor: the fp32
+          upcast and in-place temperature divide ``Actor.forward`` applies next cost nothing, so no fp32
+          ``[N, V]`` copy of the logits is ever made;
+        - a forward hook on the ``Actor`` returns the fused log-probs as the action log-probs (upstream's KL
+          term and metrics then use them, and gradients flow through them) and, when upstream asked for
+          entropy, sets ``output.entropy`` to the fused per-token entropy (0 outside the micro-batch's
+          ``action_mask``, which upstream's entropy loss masks out anyway);
         - ``actor_loss_fn`` aggregates the fused per-token loss the way ``PolicyLoss`` does.
 
-        Everything else in the step (KL, entropy, aux loss, backward, optimizer step, EMA, metrics) is
-        upstream's code. Hooks rather than a copy of ``training_step``: its 150 lines stay upstream's.
+        Everything else in the step (KL, entropy loss, aux loss, backward, optimizer step, EMA, metrics) is
+        upstream's code. Hooks rather than a copy of ``training_step`` / ``Actor.forward``: they stay upstream's.
         """
         actor, policy_loss = self.actor, self.actor_loss_fn
-        per_token: Dict[str, PolicyLossOutput] = {}
+        step: Dict[str, object] = {}  # what the hooks of this one forward pass to each other
 
         def logits_only(module, args, kwargs):
-            if "action_mask" in kwargs:
-                kwargs["action_mask"] = None
-            else:
-                args = (args[0], None, *args[2:])
-            return args, kwargs
+            bound = inspect.signature(module.forward).bind(*args, **kwargs)
+            step["entropy"] = bool(bound.arguments.get("return_entropy", False))
+            bound.arguments["action_mask"] = None
+            bound.arguments["return_entropy"] = False  # the kernel computes it; Actor.forward's logits are empty
+            return bound.args, bound.kwargs
 
-        def fused_from_logits(module, args, kwargs, output):
-            packed = getattr(module, "packing_samples", False)
-            per_token["out"] = self._fused_outputs(output.logits, experience, packed, policy_loss)
-            return per_token["out"].logp, output
+        def fused_on_model_logits(module, args, output):
+            logits = output["logits"]
+            step["out"] = self._fused_outputs(
+                logits, experience, getattr(actor, "packing_samples", False), policy_loss,
+                temperature=actor.temperature, return_entropy=step["entropy"],
+            )  # fmt: skip
+            output["logits"] = logits.new_empty((*logits.shape[:-1], 0))  # survives .to(float32) and .div_
+            return output
+
+        def fused_action_log_probs(module, args, kwargs, output):
+            out = step["out"]
+            if step["entropy"]:
+                output.entropy = out.entropy  # upstream's training_step reads output.entropy[:, -A:]
+            return out.logp, output
 
         def aggregated_loss(log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, **info):
-            out = per_token.pop("out")
+            out = step.pop("out")
             loss = aggregate_loss(out.loss, action_mask, token_level_loss=policy_loss.token_level_loss, **info)
             clip_ratio = masked_mean(out.clipped.float(), action_mask, dim=None)
             ppo_kl = masked_mean(-(log_probs - old_log_probs).detach(), action_mask, dim=None)
             return loss, clip_ratio, ppo_kl, None, None
 
+        # actor.model is the DeepSpeed engine in training: hooking it (not the HF model inside) keeps the
+        # gradient hooks the engine puts on its output tensors on the logits the fused loss differentiates.
         handles = [
             actor.register_forward_pre_hook(logits_only, with_kwargs=True),
-            actor.register_forward_hook(fused_from_logits, with_kwargs=True),
+            actor.model.register_forward_hook(fused_on_model_logits),
+            actor.register_forward_hook(fused_action_log_probs, with_kwargs=True),
         ]
         self.actor_loss_fn = aggregated_loss
         try:
@@ -280,16 +304,28 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             self.actor_loss_fn = policy_loss
 
     def _fused_outputs(
-        self, logits: torch.Tensor, experience: Experience, packed: bool, policy_loss: PolicyLoss
+        self,
+        logits: torch.Tensor,
+        experience: Experience,
+        packed: bool,
+        policy_loss: PolicyLoss,
+        temperature: float,
+        return_entropy: bool,
     ) -> PolicyLossOutput:
-        """``fused_policy_loss`` on the actor's logits, returned as ``[B, A]`` per-action fields.
+        """``fused_policy_loss`` on the model's logits, returned in the shapes upstream's step reads.
 
         Args:
             logits: ``[B, S, V]`` (or ``[1, T, V]`` packed: the ``T`` non-padding positions in row-major order)
-                fp32, already divided by the temperature; row ``t`` predicts token ``t + 1``.
+                in the model's dtype, not yet divided by the temperature; row ``t`` predicts token ``t + 1``.
             experience: the micro-batch; ``sequences``/``attention_mask`` ``[B, S]``, the rest ``[B, A]``.
             packed: whether the actor packs samples (``--ds.packing_samples``).
             policy_loss: upstream's ``PolicyLoss`` of this trainer, for the clip settings.
+            temperature: the actor's sampling temperature (``Actor.temperature``).
+            return_entropy: also compute the per-token entropy of ``softmax(logits / temperature)``.
+
+        Returns:
+            ``loss``, ``logp``, ``kl``, ``clipped``: ``[B, A]`` per action token; ``entropy`` (or None):
+            ``[B, S - 1]`` like upstream's ``output.entropy``, 0 outside ``experience.action_mask``.
         """
         sequences, mask = experience.sequences, experience.action_mask
         batch, seqlen = sequences.shape
@@ -303,10 +339,10 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             full[:, actions] = values
             return full.flatten() if indices is None else full.flatten()[indices]
 
-        def per_action(values: torch.Tensor) -> torch.Tensor:  # one value per logits row -> [B, A]
+        def positions(values: torch.Tensor) -> torch.Tensor:  # one value per logits row -> [B, S]
             if indices is not None:
                 values = values.new_zeros(batch * seqlen).index_put((indices,), values)
-            return values.reshape(batch, seqlen)[:, actions]
+            return values.reshape(batch, seqlen)
 
         labels = torch.roll(sequences, shifts=-1, dims=1).flatten()
         out = fused_policy_loss(
@@ -319,9 +355,14 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             eps_low=policy_loss.clip_eps_low,
             eps_high=policy_loss.clip_eps_high,
             dual_clip=policy_loss.dual_clip,
-            temperature=1.0,  # Actor.forward has already divided the logits by the rollout temperature
+            temperature=temperature,
+            return_entropy=return_entropy,
             backend=self.fused_backend,
         )
         return PolicyLossOutput(
-            loss=per_action(out.loss), logp=per_action(out.logp), kl=per_action(out.kl), clipped=per_action(out.clipped)
+            loss=positions(out.loss)[:, actions],
+            logp=positions(out.logp)[:, actions],
+            kl=positions(out.kl)[:, actions],
+            clipped=positions(out.clipped)[:, actions],
+            entropy=None if out.entropy is None else positions(out.entropy)[:, :-1],
         )
