@@ -1,0 +1,163 @@
+"""``openrlhf-lopti audit``: which tokens drive an RL update, and which ones it moves the right way.
+
+On one sampled batch of K&K responses (GRPO advantages), binned by token probability (lowest bin first):
+
+1. the mean per-token gradient norm of the loss w.r.t. the logits, and w.r.t. all parameters for a
+   random sample of tokens per bin (paper Fig. 1(d));
+2. from the same weights, one update under each method (GRPO, +AR, +Lopti, +AR+Lopti), then the fraction
+   of positive-advantage tokens whose probability went up (paper Fig. 3).
+
+Writes ``audit.json`` (``grad_norm_by_quartile``, ``param_grad_norm_by_quartile``,
+``correct_direction_by_quartile`` = {method: 4 fractions}, counts, edges, settings) and ``audit.png``
+into ``--out`` and prints the table. Without ``--model`` it first builds and warms up the demo's model
+(about 20 s on 2 CPU cores) into ``--out/warmup_model``.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from openrlhf_lopti.local.config import METHODS, TrainConfig
+from openrlhf_lopti.local.experience import make_experience
+from openrlhf_lopti.local.model import load_model, quiet_transformers
+from openrlhf_lopti.local.task import prompt_for, resolve_prompt_style, train_puzzles
+from openrlhf_lopti.local.trainer import check_run_dir, resolve_device
+from openrlhf_lopti.local.warmup import build_warm_model
+
+from .measure import (
+    bin_edges,
+    bin_index,
+    correct_direction,
+    logit_grad_norms,
+    param_grad_norms,
+    per_bin_mean,
+    sample_per_bin,
+)
+from .report import format_table, plot, write_json
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="openrlhf-lopti audit", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="local HF checkpoint (default: build and warm up the demo model)")
+    p.add_argument("--out", default=None, help="output directory (default runs/audit-<timestamp>)")
+    p.add_argument("--prompts", type=int, default=32, help="puzzles in the batch (default 32)")
+    p.add_argument("--n-samples", type=int, default=8, help="responses per puzzle (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 20 for the demo model, else 512")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--people", default="2", help="comma-separated K&K sizes (default 2)")
+    p.add_argument("--prompt-style", default="auto", choices=("auto", "compact", "chat", "text"))
+    p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate of the one update (default 5e-4)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
+                   help="optimizer of the one update: adamw (the trainer's; a fresh one's first step is "
+                   "lr * sign(grad)) or sgd (the raw gradient direction)")  # fmt: skip
+    p.add_argument("--eta", type=float, default=0.5, help="Lopti threshold")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods to update with")
+    p.add_argument("--bins", default="fixed", choices=("fixed", "quantile"),
+                   help="fixed: p in [0,.25) [.25,.5) [.5,.75) [.75,1]; quantile: equal token counts")  # fmt: skip
+    p.add_argument("--param-grad-tokens", type=int, default=16,
+                   help="tokens per bin whose parameter gradient is measured, one backward each (0: skip)")  # fmt: skip
+    p.add_argument("--warmup-steps", type=int, default=600, help="demo model only: most warm-up steps")
+    p.add_argument("--warmup-target", type=float, default=0.3, help="demo model only: warm-up stop accuracy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--loss-backend", default="auto", choices=("auto", "triton", "cpp", "torch"))
+    p.add_argument("--overwrite", action="store_true", help="delete --out's contents first")
+    return p
+
+
+def run_audit(args: argparse.Namespace, out: Path) -> dict:
+    """Everything but the argument handling: returns the result dict (also written to ``out``)."""
+    device = resolve_device(args.device)
+    model_path = args.model
+    if model_path is None:
+        model_path = str(out / "warmup_model")
+        print(f"audit: no --model, building and warming up the demo model into {model_path}")
+        build_warm_model(model_path, args.seed, args.warmup_steps, args.warmup_target, device=device, progress=False)
+    model, tokenizer, style = load_model(model_path, device)
+    style = resolve_prompt_style(args.prompt_style, tokenizer, style)
+    max_new = args.max_new_tokens or (20 if style == "compact" else 512)
+    people = [int(x) for x in args.people.split(",") if x]
+    cfg = TrainConfig(
+        model=str(model_path), out=str(out), prompts_per_step=args.prompts, n_samples=args.n_samples,
+        max_new_tokens=max_new, temperature=args.temperature, people=people, prompt_style=style, lr=args.lr,
+        eta=args.eta, kl_coef=0.0, seed=args.seed, device=str(device), loss_backend=args.loss_backend,
+        mini_batch_size=args.prompts * args.n_samples, progress=False,
+    )  # fmt: skip
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+
+    torch.manual_seed(args.seed)
+    records = train_puzzles(args.seed, 0, args.prompts, people)
+    prompts = [prompt_for(r, style, tokenizer) for r in records]
+    exp = make_experience(model, None, tokenizer, records, prompts, cfg)
+    rows = exp.rollout.action_mask
+    probs = exp.old_log_probs[rows].exp()
+    advantages = exp.advantages[rows]
+    edges = bin_edges(probs, args.bins)
+    bins = bin_index(probs, edges)
+    carries = advantages != 0  # tokens of groups whose rewards all tie have no gradient at all
+
+    grad = logit_grad_norms(model, exp, cfg)
+    result = {
+        "model": str(model_path),
+        "bins": args.bins,
+        "bin_edges": edges,
+        "tokens": int(rows.sum()),
+        "token_count_by_quartile": [int((bins == k).sum()) for k in range(4)],
+        "positive_count_by_quartile": [int(((bins == k) & (advantages > 0)).sum()) for k in range(4)],
+        "nonzero_advantage_count_by_quartile": [int(((bins == k) & carries).sum()) for k in range(4)],
+        "grad_norm_by_quartile": per_bin_mean(grad, bins, carries),
+        "param_grad_norm_by_quartile": None,
+    }
+    if args.param_grad_tokens > 0:
+        picked = sample_per_bin(bins, carries, args.param_grad_tokens, args.seed)
+        norms = param_grad_norms(model, exp, cfg, picked.to(bins.device))
+        result["param_grad_norm_by_quartile"] = per_bin_mean(norms, bins[picked.to(bins.device)].cpu())
+        result["param_grad_tokens_by_quartile"] = [int((bins[picked] == k).sum()) for k in range(4)]
+    fractions, _ = correct_direction(model, exp, cfg, bins, methods, args.optimizer)
+    result["correct_direction_by_quartile"] = fractions
+    result["batch"] = {
+        "reward": float(exp.rewards.mean()),
+        "accuracy": float(exp.correct.float().mean()),
+        "responses": len(exp.rollout),
+    }
+    result["settings"] = {
+        k: getattr(args, k)
+        for k in ("prompts", "n_samples", "temperature", "optimizer", "lr", "eta", "seed", "param_grad_tokens")
+    } | {"max_new_tokens": max_new, "people": people, "prompt_style": style, "alpha_ar": METHODS["ar"][0]}
+    return result
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_transformers()
+    for name in ("prompts", "n_samples"):
+        if getattr(args, name) < 1 or (name == "n_samples" and args.n_samples < 2):
+            print(f"audit: --{name.replace('_', '-')} is too small (n-samples >= 2, prompts >= 1)", file=sys.stderr)
+            return 2
+    if args.param_grad_tokens < 0:
+        print("audit: --param-grad-tokens must be >= 0", file=sys.stderr)
+        return 2
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or any(m not in METHODS for m in methods):
+        print(f"audit: --methods must be a subset of {','.join(METHODS)}, got {args.methods!r}", file=sys.stderr)
+        return 2
+    out = Path(args.out or time.strftime("runs/audit-%Y%m%d-%H%M%S"))
+    try:
+        out = check_run_dir(out, resume=False, overwrite=args.overwrite)
+        result = run_audit(args, out)
+    except ValueError as e:
+        print(f"audit: {e}", file=sys.stderr)
+        return 2
+    write_json(result, out / "audit.json")
+    plot(result, out / "audit.png")
+    print(format_table(result))
+    print(f"\naudit: {result['tokens']} response tokens; wrote {out / 'audit.json'} and {out / 'audit.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The audit's measurements on one batch of experience (paper Fig. 1(d) and Fig. 3).
+
+Tokens are the response tokens of the batch, binned by their sampling probability ``p = exp(old_log_prob)``
+(the probability at the sampling temperature, the one AR and Lopti use):
+
+- ``logit_grad_norms``: per token, ``||d loss_t / d z_t||`` with ``z_t`` the token's logits row and
+  ``loss_t`` its GRPO loss, by autograd (one backward of the summed loss: row t only feeds loss_t);
+  at the sampling weights it equals ``|A_t| / T * ||onehot - softmax(z_t / T)||`` (Prop. 4.2's quantity,
+  checked in tests/test_audit.py);
+- ``param_grad_norms``: per token, ``||d loss_t / d theta||`` over all parameters, one backward per token
+  (a random sample of tokens per bin keeps it affordable);
+- ``correct_direction``: after one update of a copy of the model under a method (one optimizer step on
+  the whole batch; Lopti: one per phase), which tokens' probability went up.
+"""
+
+import copy
+import math
+from typing import Optional
+
+import torch
+
+from openrlhf_lopti.local.config import TrainConfig, method_settings
+from openrlhf_lopti.local.experience import Experience
+from openrlhf_lopti.local.rollout import response_logits
+from openrlhf_lopti.local.update import update_policy
+from openrlhf_lopti.ops import fused_policy_loss
+
+FIXED_EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def bin_edges(probs: torch.Tensor, mode: str = "fixed") -> list:
+    """Five edges of four probability bins: ``"fixed"`` = [0, .25, .5, .75, 1] (the paper's "p > 0.75"
+    group), ``"quantile"`` = the quartiles of ``probs`` (equal token counts)."""
+    if mode == "fixed":
+        return list(FIXED_EDGES)
+    if mode != "quantile":
+        raise ValueError(f"bins must be 'fixed' or 'quantile', got {mode!r}")
+    if probs.numel() == 0:
+        raise ValueError("probs is empty: no response tokens to bin")
+    qs = torch.quantile(probs.double().cpu(), torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+    return [0.0, *[float(q) for q in qs], 1.0]
+
+
+def bin_index(probs: torch.Tensor, edges: list) -> torch.Tensor:
+    """``[N]`` bin (0 = lowest probability .. 3) of each probability; bins are ``[e_k, e_{k+1})``, the last
+    one closed."""
+    inner = torch.tensor(edges[1:-1], dtype=probs.dtype, device=probs.device)
+    return torch.bucketize(probs, inner, right=True)
+
+
+def per_bin_mean(values: torch.Tensor, bins: torch.Tensor, keep: Optional[torch.Tensor] = None) -> list:
+    """Mean of ``values [N]`` per bin over the entries where ``keep`` is true; NaN for an empty bin."""
+    keep = torch.ones_like(bins, dtype=torch.bool) if keep is None else keep
+    out = []
+    for k in range(4):
+        sel = (bins == k) & keep
+        out.append(float(values[sel].float().mean()) if sel.any() else math.nan)
+    return out
+
+
+def _flat(exp: Experience) -> tuple:
+    """Response-token views ``[N]`` of the batch: labels, old log-probs, advantages."""
+    rows = exp.rollout.action_mask
+    labels = exp.rollout.sequences[:, exp.rollout.prompt_len :][rows]
+    return labels, exp.old_log_probs[rows], exp.advantages[rows]
+
+
+def logit_grad_norms(model, exp: Experience, cfg: TrainConfig) -> torch.Tensor:
+    """``[N]`` norm of each response token's GRPO loss gradient w.r.t. its own logits row (autograd).
+
+    ``loss_t`` is :func:`fused_policy_loss`'s per-token loss with alpha = 0 and no KL, not divided by the
+    token count (so the numbers do not depend on the batch size).
+    """
+    labels, old, adv = _flat(exp)
+    with torch.no_grad():
+        logits = response_logits(model, exp.rollout)[exp.rollout.action_mask].float()
+    logits.requires_grad_(True)
+    out = fused_policy_loss(
+        logits, labels, old, adv, torch.ones_like(labels, dtype=torch.bool),
+        eps_low=cfg.eps_low, eps_high=cfg.eps_high, temperature=cfg.temperature, backend=cfg.loss_backend,
+    )  # fmt: skip
+    out.loss.sum().backward()
+    return logits.grad.norm(dim=-1).detach()
+
+
+def param_grad_norms(model, exp: Experience, cfg: TrainConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """``[len(tokens)]`` norm of ``d loss_t / d theta`` over all trainable parameters, for the response
+    tokens at flat indices ``tokens``: one shared forward, one backward per token."""
+    labels, old, adv = _flat(exp)
+    params = [p for p in model.parameters() if p.requires_grad]
+    logits = response_logits(model, exp.rollout)[exp.rollout.action_mask]
+    out = fused_policy_loss(
+        logits, labels, old, adv, torch.ones_like(labels, dtype=torch.bool),
+        eps_low=cfg.eps_low, eps_high=cfg.eps_high, temperature=cfg.temperature, backend=cfg.loss_backend,
+    )  # fmt: skip
+    norms = []
+    for i, t in enumerate(tokens.tolist()):
+        grads = torch.autograd.grad(out.loss[t], params, retain_graph=i < len(tokens) - 1, allow_unused=True)
+        norms.append(math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads if g is not None)))
+    return torch.tensor(norms)
+
+
+def sample_per_bin(bins: torch.Tensor, keep: torch.Tensor, count: int, seed: int) -> torch.Tensor:
+    """Up to ``count`` random flat indices per bin among ``keep`` tokens (all of them if fewer)."""
+    generator = torch.Generator().manual_seed(seed)
+    picked = []
+    for k in range(4):
+        idx = torch.nonzero(((bins == k) & keep).cpu()).flatten()
+        picked.append(idx[torch.randperm(len(idx), generator=generator)[:count]])
+    return torch.cat(picked)
+
+
+@torch.no_grad()
+def logprobs_fp64(model, exp: Experience, temperature: float) -> torch.Tensor:
+    """``[N]`` response-token log-probs from a float64 copy of ``model``.
+
+    A one-step change of a p ~ 1 token's log-prob is often below float32's resolution of a log-softmax
+    (~1e-7 absolute), which would count as "did not go up"; float64 resolves it.
+    """
+    wide = copy.deepcopy(model).to(torch.float64)
+    logits = response_logits(wide, exp.rollout)[exp.rollout.action_mask]
+    labels = exp.rollout.sequences[:, exp.rollout.prompt_len :][exp.rollout.action_mask]
+    logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    del wide
+    return logp
+
+
+def correct_direction(
+    model, exp: Experience, cfg: TrainConfig, bins: torch.Tensor, methods: list, optimizer: str = "adamw"
+) -> tuple:
+    """Per method, the fraction of positive-advantage tokens in each bin whose probability rose after one
+    update from ``model``'s weights (``model`` itself is not changed).
+
+    Each method gets a fresh copy of the weights and a fresh optimizer (``"adamw"``, the trainer's, or
+    ``"sgd"``; lr ``cfg.lr``) and runs :func:`openrlhf_lopti.local.update.update_policy` with the whole
+    batch as one mini-batch: GRPO and AR take one optimizer step, Lopti two (low phase, then high phase).
+    A fresh AdamW's first step is about ``lr * sign(grad)`` per parameter; SGD follows the gradient
+    itself (then, to first order in lr, Lopti's two steps add up to GRPO's one). Probabilities before and
+    after are compared in float64 (:func:`logprobs_fp64`).
+
+    Returns:
+        ``({method: [4 fractions, NaN for a bin without positive tokens]}, {method: [N] log-prob change})``.
+    """
+    if optimizer not in ("sgd", "adamw"):
+        raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+    positive = exp.advantages[exp.rollout.action_mask] > 0
+    before = logprobs_fp64(model, exp, cfg.temperature)
+    fractions, deltas = {}, {}
+    for method in methods:
+        settings = {**cfg.to_dict(), **method_settings(method), "mini_batch_size": len(exp.rollout), "epochs": 1}
+        method_cfg = TrainConfig.from_dict(settings)
+        policy = copy.deepcopy(model)
+        if optimizer == "sgd":
+            opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)
+        else:
+            opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        update_policy(policy, opt, exp, method_cfg, torch.Generator().manual_seed(cfg.seed))
+        delta = logprobs_fp64(policy, exp, cfg.temperature) - before
+        fractions[method] = per_bin_mean((delta > 0).float(), bins, positive)
+        deltas[method] = delta
+        del policy, opt
+    return fractions, deltas

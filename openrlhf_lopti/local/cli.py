@@ -1,0 +1,132 @@
+"""``openrlhf-lopti train``: the one-process GRPO / REINFORCE++ trainer with AR and Lopti on any local HF model.
+
+Every :class:`.config.TrainConfig` field is a flag (``--prompts-per-step`` for ``prompts_per_step``).
+Precedence: the field's default < the saved ``config.json`` (with ``--resume``) < ``--method``'s preset
+< flags given explicitly. Example (the demo's warmed-up model, AR + Lopti)::
+
+    openrlhf-lopti train --model runs/demo-X/warmup_model --out runs/arlopti --method ar+lopti --steps 50
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from .config import METHODS, TrainConfig, method_settings
+from .model import quiet_transformers
+
+HELP = {
+    "model": "local Hugging Face checkpoint directory (required unless resuming)",
+    "out": "run directory (default runs/train-<timestamp>)",
+    "estimator": "grpo (group-normalised) or reinforce++ (batch-whitened, k1 KL in the reward)",
+    "alpha": "Advantage Reweighting strength in [0, 1] (0 = off; paper: 0.3 K&K, 0.1 math)",
+    "lopti": "Low-Probability Token Isolation: update low-p tokens, then high-p tokens",
+    "eta": "Lopti threshold on the rollout probability (paper 0.5)",
+    "lopti_order": "low_first (Lopti) or high_first (the paper's collapsing ablation)",
+    "lopti_quantile": "use this quantile of token probabilities as the threshold instead of eta",
+    "steps": "RL steps (one batch of rollouts each)",
+    "prompts_per_step": "puzzles per step",
+    "n_samples": "responses per puzzle (GRPO group size)",
+    "max_new_tokens": "response length cap, tokens",
+    "temperature": "sampling temperature (also divides the logits in the loss)",
+    "people": "comma-separated K&K sizes cycled over prompts, e.g. 3,4,5",
+    "prompt_style": "auto, compact (demo model), chat (chat template), text (plain)",
+    "lr": "AdamW learning rate",
+    "weight_decay": "AdamW weight decay",
+    "mini_batch_size": "responses per optimizer step",
+    "micro_batch_size": "responses per forward pass (gradient accumulation; 0 = the mini-batch)",
+    "epochs": "passes over each batch (per Lopti phase)",
+    "grad_clip": "max global gradient norm (0 = off)",
+    "kl_coef": "KL weight: loss term for grpo, reward penalty for reinforce++ (0 = no reference model)",
+    "kl_estimator": "k1, k2 or k3",
+    "eps_low": "PPO clip below: ratio >= 1 - eps_low",
+    "eps_high": "PPO clip above: ratio <= 1 + eps_high",
+    "seed": "seed of sampling, shuffling and puzzle choice",
+    "device": "auto, cpu, cuda, cuda:N",
+    "dtype": "float32 or bfloat16",
+    "loss_backend": "fused_policy_loss backend: auto, triton, cpp, torch",
+    "save_every": "steps between checkpoints (1: a crash loses at most one step)",
+    "eval_every": "steps between greedy held-out evaluations (0: only at the end)",
+    "eval_prompts": "held-out puzzles per evaluation (0: none)",
+    "progress": "tqdm progress bar",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="openrlhf-lopti train",
+        description="One-process GRPO / REINFORCE++ on Knights and Knaves with Advantage Reweighting and Lopti.",
+        argument_default=argparse.SUPPRESS,  # only flags given on the command line reach the config
+    )
+    p.add_argument("--method", choices=tuple(METHODS), help="preset for alpha and lopti (flags override it)")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.name == "people":
+            p.add_argument(flag, type=lambda s: [int(x) for x in s.split(",") if x], help=HELP[f.name])
+        elif isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=HELP[f.name])
+        elif f.name == "lopti_quantile":
+            p.add_argument(flag, type=float, help=HELP[f.name])
+        else:
+            kind = type(default) if default is not None else str
+            text = HELP[f.name] if default is None else f"{HELP[f.name]} (default {default})"
+            p.add_argument(flag, type=kind, help=text)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    mode.add_argument("--overwrite", action="store_true", help="delete --out's contents first")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Merge defaults, the saved config (when resuming), the method preset and explicit flags."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+    if "out" not in given:
+        if getattr(args, "resume", False):
+            raise ValueError("--resume needs --out (the run directory to continue)")
+        import time
+
+        given["out"] = time.strftime("runs/train-%Y%m%d-%H%M%S")
+    values = {}
+    saved = Path(given["out"]) / "config.json"
+    if getattr(args, "resume", False) and saved.exists():
+        values.update(json.loads(saved.read_text()))
+    if getattr(args, "method", None):
+        values.update(method_settings(args.method))
+    values.update(given)
+    if "model" not in values:
+        raise ValueError("--model is required (a local Hugging Face checkpoint directory)")
+    return TrainConfig.from_dict(values)
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_transformers()
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"train: {e}", file=sys.stderr)
+        return 2
+    if getattr(args, "threads", 0):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from .trainer import LocalTrainer
+
+    try:
+        trainer = LocalTrainer(cfg, resume=getattr(args, "resume", False), overwrite=getattr(args, "overwrite", False))
+    except ValueError as e:
+        print(f"train: {e}", file=sys.stderr)
+        return 2
+    rows = trainer.run()
+    last = rows[-1] if rows else {}
+    summary = ", ".join(f"{k} {last[k]:.3f}" for k in ("reward", "accuracy", "eval_accuracy") if k in last)
+    print(f"train: {cfg.method}, {len(rows)} steps in {trainer.out}; last step: {summary}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""``openrlhf-lopti demo``: a tiny model, a supervised warm-up, then GRPO / +AR / +Lopti / +AR+Lopti side by side.
+
+Nothing is downloaded. The task is 2-person Knights and Knaves with the paper's reward
+(``tasks.kk.reward``), written in a word-level vocabulary so that sequences stay short (see
+:mod:`.task`). Every method starts from the same warmed-up weights, with the same seed, puzzles and
+budget; the only differences are AR's alpha and Lopti's two phases.
+
+Writes into ``--out``: ``warmup_model/`` (a Hugging Face checkpoint: ``audit --model`` and
+``train --model`` take it), ``runs/<method>/`` (each a full ``train`` run directory), ``demo.png``
+(the four methods' curves), ``summary.json`` and ``summary.md`` (the comparison table).
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .config import METHODS, TrainConfig, method_settings
+from .evaluation import greedy_eval
+from .model import load_model, quiet_transformers
+from .plots import plot_runs
+from .task import eval_puzzles, prompt_for
+from .trainer import LocalTrainer, check_run_dir, resolve_device
+from .warmup import build_warm_model
+
+WARMUP_DIR = "warmup_model"
+DEMO_PEOPLE = [2]
+MAX_NEW_TOKENS = 20  # the ideal 2-person response is 15 tokens with its eos
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="openrlhf-lopti demo",
+        description="Warm up a tiny model on 2-person Knights and Knaves, then train it with GRPO, +AR, "
+        "+Lopti and +AR+Lopti (same seed and budget) and compare. No downloads; about 4-6 minutes on 2 CPU cores.",
+    )
+    p.add_argument("--out", default=None, help="output directory (default: runs/demo-<timestamp>)")
+    p.add_argument("--steps", type=int, default=80, help="RL steps per method (default 80)")
+    p.add_argument("--warmup-steps", type=int, default=600, help="most supervised warm-up steps (default 600)")
+    p.add_argument(
+        "--warmup-target",
+        type=float,
+        default=0.3,
+        help="stop the warm-up once greedy validation accuracy reaches this (default 0.3; 0: run all steps)",
+    )
+    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--n-samples", type=int, default=8, help="responses per prompt (GRPO group size)")
+    p.add_argument("--lr", type=float, default=5e-4, help="RL learning rate (AdamW)")
+    p.add_argument("--eval-prompts", type=int, default=200, help="held-out puzzles for greedy accuracy (0: none)")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loss-backend", default="auto", choices=("auto", "triton", "cpp", "torch"))
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue an interrupted demo in --out")
+    mode.add_argument("--overwrite", action="store_true", help="delete --out's contents first")
+    return p
+
+
+def method_config(out: Path, method: str, args: argparse.Namespace) -> TrainConfig:
+    """The settings every method shares; only alpha and lopti differ (:data:`.config.METHODS`)."""
+    return TrainConfig(
+        model=str(out / WARMUP_DIR),
+        out=str(out / "runs" / method),
+        steps=args.steps,
+        prompts_per_step=args.prompts_per_step,
+        n_samples=args.n_samples,
+        max_new_tokens=MAX_NEW_TOKENS,
+        temperature=0.7,
+        people=DEMO_PEOPLE,
+        lr=args.lr,
+        mini_batch_size=64,
+        seed=args.seed,
+        device=args.device,
+        loss_backend=args.loss_backend,
+        eval_prompts=args.eval_prompts,
+        progress=not args.no_progress,
+        **method_settings(method),
+    )
+
+
+def window_mean(rows: list, key: str, first: bool, frac: float = 0.2) -> float:
+    """Mean of ``key`` over the first / last ``frac`` of the rows (at least one row)."""
+    k = max(1, int(len(rows) * frac))
+    part = rows[:k] if first else rows[-k:]
+    values = [r[key] for r in part if key in r]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(method: str, rows: list, seconds: float) -> dict:
+    """One row of the comparison table from a run's metrics."""
+    last = rows[-1] if rows else {}
+    return {
+        "method": method,
+        "reward_first": window_mean(rows, "reward", True),
+        "reward_last": window_mean(rows, "reward", False),
+        "accuracy_first": window_mean(rows, "accuracy", True),
+        "accuracy_last": window_mean(rows, "accuracy", False),
+        "eval_accuracy": last.get("eval_accuracy", float("nan")),
+        "kl_last": window_mean(rows, "kl", False),
+        "low_token_fraction_last": window_mean(rows, "low_token_fraction", False),
+        "seconds": seconds,
+    }
+
+
+def format_table(baseline: Optional[dict], rows: list, frac: float = 0.2) -> str:
+    """Markdown table of the methods (reward / sampled accuracy over the first and last ``frac`` of steps)."""
+    pct = int(frac * 100)
+    head = (
+        f"| method | reward, first {pct}% of steps | reward, last {pct}% | train acc. first -> last | "
+        "held-out greedy acc. | KL (last) | p<0.5 tokens (last) | time (s) |"
+    )
+    lines = [head, "|" + "---|" * 8]
+    if baseline is not None:
+        lines.append(
+            f"| warm-up only | | | | {baseline['accuracy']:.3f} | | | {baseline.get('seconds', float('nan')):.0f} |"
+        )
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['reward_first']:.3f} | {r['reward_last']:.3f} | "
+            f"{r['accuracy_first']:.3f} -> {r['accuracy_last']:.3f} | {r['eval_accuracy']:.3f} | "
+            f"{r['kl_last']:.4f} | {r['low_token_fraction_last']:.3f} | {r['seconds']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_transformers()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        print(f"demo: --methods must be a comma-separated subset of {','.join(METHODS)}, got {args.methods!r}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    for name in ("steps", "warmup_steps", "prompts_per_step", "n_samples"):
+        if getattr(args, name) < 1:
+            print(f"demo: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out or time.strftime("runs/demo-%Y%m%d-%H%M%S"))
+    try:
+        out = check_run_dir(out, args.resume, args.overwrite)
+    except ValueError as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    print(f"demo: writing to {out}")
+
+    facts_path = out / "warmup.json"
+    if args.resume and (out / WARMUP_DIR).is_dir() and facts_path.exists():
+        facts = json.loads(facts_path.read_text())
+        print(f"demo: reusing the warm-up model in {out / WARMUP_DIR}")
+    else:
+        facts = build_warm_model(
+            out / WARMUP_DIR,
+            seed=args.seed,
+            max_steps=args.warmup_steps,
+            target_accuracy=args.warmup_target,
+            people=DEMO_PEOPLE,
+            device=resolve_device(args.device),
+            progress=not args.no_progress,
+        )
+        model, tokenizer, style = load_model(out / WARMUP_DIR, resolve_device(args.device))
+        baseline = {"accuracy": float("nan"), "seconds": facts["warmup_seconds"]}
+        if args.eval_prompts:
+            records = eval_puzzles(args.eval_prompts, DEMO_PEOPLE)
+            prompts = [prompt_for(r, style, tokenizer) for r in records]
+            baseline.update(greedy_eval(model, tokenizer, records, prompts, MAX_NEW_TOKENS))
+        facts["baseline"] = baseline
+        facts_path.write_text(json.dumps(facts, indent=2) + "\n")
+    print(
+        f"demo: warm-up done ({facts['parameters']} parameters, {facts['warmup_steps']} steps, "
+        f"loss {facts['warmup_final_loss']:.3f}, held-out greedy accuracy {facts['baseline']['accuracy']:.3f})"
+    )
+
+    summaries, runs = [], {}
+    for method in methods:
+        cfg = method_config(out, method, args)
+        t0 = time.perf_counter()
+        run_dir = Path(cfg.out)
+        resume_run = args.resume and run_dir.is_dir()
+        trainer = LocalTrainer(cfg, resume=resume_run)
+        rows = trainer.run(desc=method)
+        seconds = time.perf_counter() - t0
+        timing_path = run_dir / "seconds.json"
+        if resume_run and timing_path.exists():  # the run had finished before: keep its own time
+            seconds += json.loads(timing_path.read_text())["seconds"]
+        timing_path.write_text(json.dumps({"seconds": seconds}) + "\n")
+        runs[method] = rows
+        summaries.append(summarize(method, rows, seconds))
+        del trainer
+
+    plot_runs(runs, out / "demo.png", title="tiny Llama on 2-person K&K: same seed, same budget")
+    table = format_table(facts["baseline"], summaries)
+    total = time.perf_counter() - t_start
+    summary = {"warmup": facts, "methods": summaries, "total_seconds": total, "steps": args.steps, "seed": args.seed}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.md").write_text(table + "\n")
+    print()
+    print(table)
+    print(f"\ndemo: done in {total:.0f} s; plots in {out / 'demo.png'}, table in {out / 'summary.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

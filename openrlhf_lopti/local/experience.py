@@ -1,0 +1,67 @@
+"""One batch of experience: sample, score, then the frozen log-probs and advantages the update trains on."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .advantages import grpo_advantages, reinforce_pp_advantages
+from .config import TrainConfig
+from .rollout import Rollout, generate_rollouts, response_logprobs
+from .task import score
+
+
+@dataclass
+class Experience:
+    """Everything the update needs, fixed at sampling time (tensors on the model's device).
+
+    Fields:
+        rollout: the sampled sequences (``action_mask [B, T]``).
+        old_log_probs: ``[B, T]`` log-probs under the sampling policy (the PPO anchor, AR's and Lopti's p).
+        ref_log_probs: ``[B, T]`` under the frozen reference, or None when there is no reference.
+        advantages: ``[B, T]`` per-token advantages (0 outside the action mask), before AR.
+        rewards: ``[B]`` the paper's K&K reward in [-3, 3].
+        correct: ``[B]`` bool, answer score +2 (every role right).
+        format_ok: ``[B]`` bool, well-formed tags.
+    """
+
+    rollout: Rollout
+    old_log_probs: torch.Tensor
+    ref_log_probs: Optional[torch.Tensor]
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    correct: torch.Tensor
+    format_ok: torch.Tensor
+
+
+def make_experience(policy, ref, tokenizer, records: list, prompts: list, cfg: TrainConfig) -> Experience:
+    """Sample ``cfg.n_samples`` responses for each prompt and score them.
+
+    Args:
+        policy: the model being trained (sampling policy = current weights).
+        ref: frozen reference model or None (then no KL term is possible).
+        tokenizer: left-padding tokenizer of both models.
+        records: K&K records (one per prompt) holding the labels.
+        prompts: the prompt strings of ``records``.
+        cfg: sizes, temperature, estimator and KL settings.
+    """
+    rollout = generate_rollouts(policy, tokenizer, prompts, cfg.n_samples, cfg.max_new_tokens, cfg.temperature)
+    micro = cfg.micro_batch_size or cfg.mini_batch_size
+    old = response_logprobs(policy, rollout, cfg.temperature, micro)
+    ref_lp = response_logprobs(ref, rollout, cfg.temperature, micro) if ref is not None else None
+
+    scored = [score(text, records[i // cfg.n_samples]) for i, text in enumerate(rollout.responses)]
+    device = old.device
+    rewards = torch.tensor([s[0] for s in scored], dtype=torch.float32, device=device)
+    correct = torch.tensor([s[1] for s in scored], dtype=torch.bool, device=device)
+    format_ok = torch.tensor([s[2] for s in scored], dtype=torch.bool, device=device)
+
+    if cfg.estimator == "grpo":
+        advantages = grpo_advantages(rewards, cfg.n_samples, rollout.action_mask)
+    else:
+        if ref_lp is None and cfg.kl_coef != 0:
+            raise ValueError("reinforce++ with kl_coef != 0 needs a reference model")
+        advantages = reinforce_pp_advantages(
+            rewards, rollout.action_mask, old, old if ref_lp is None else ref_lp, cfg.kl_coef
+        )
+    return Experience(rollout, old, ref_lp, advantages, rewards, correct, format_ok)

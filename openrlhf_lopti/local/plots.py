@@ -1,0 +1,56 @@
+"""PNG training curves: reward, accuracy, KL to the reference and low-probability token fraction per step."""
+
+import os
+from typing import Optional
+
+PANELS = (
+    ("reward", "reward (paper rule, [-3, 3])"),
+    ("accuracy", "accuracy (all roles right)"),
+    ("kl", "KL(policy || reference), k3"),
+    ("low_token_fraction", "fraction of tokens with p < eta"),
+)
+
+
+def smooth(values: list, window: int) -> list:
+    """Trailing moving average over ``window`` points (the first points average what exists)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_runs(runs: dict, path: str | os.PathLike, title: Optional[str] = None, window: int = 0) -> None:
+    """Draw the four panels for one or several runs into one PNG.
+
+    Args:
+        runs: ``{label: metrics rows}`` (rows as in metrics.jsonl; missing keys are skipped).
+        path: output PNG.
+        title: figure title.
+        window: moving-average window in steps; 0 picks about a tenth of the run (at least 1).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed (and none on CI)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (key, label) in zip(axes.flat, PANELS):
+        for name, rows in runs.items():
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            if not points:
+                continue
+            steps, values = zip(*points)
+            w = window or max(1, len(values) // 10)
+            ax.plot(steps, smooth(list(values), w), label=name)
+        ax.set_title(label)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,201 @@
+"""The one-process trainer: rollout -> reward -> advantage -> (Lopti phases) update, step after step.
+
+A run directory holds ``config.json``, ``metrics.jsonl`` (one JSON object per step, ``step`` from 1),
+``checkpoint.pt`` (see :mod:`.checkpoint`), ``plots.png`` and, when finished, ``final_model/`` (a
+Hugging Face checkpoint). A killed run restarted with ``resume=True`` continues from its last
+checkpoint; with ``save_every=1`` it loses at most the step in flight.
+"""
+
+import copy
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from openrlhf_lopti.algo import approx_kl, ar_weight
+
+from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
+from .config import TrainConfig
+from .experience import make_experience
+from .model import load_model, save_model
+from .plots import plot_runs
+from .evaluation import greedy_eval
+from .task import eval_puzzles, prompt_for, resolve_prompt_style, train_puzzles
+from .update import update_policy
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+FINAL_MODEL_DIR = "final_model"
+PLOT_FILE = "plots.png"
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> cuda if available else cpu; anything else as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def check_run_dir(out: str | os.PathLike, resume: bool, overwrite: bool) -> Path:
+    """Create ``out`` or accept it; refuse a non-empty directory unless resuming or overwriting.
+
+    ``overwrite`` deletes the directory's contents first.
+    """
+    out = Path(out)
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out {str(out)!r} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not resume:
+        if not overwrite:
+            raise ValueError(
+                f"out directory {str(out)!r} is not empty: pass --resume to continue it or --overwrite to replace it"
+            )
+        import shutil
+
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+class LocalTrainer:
+    """Owns the policy, the frozen reference, the optimizer and the run directory of one run."""
+
+    def __init__(self, cfg: TrainConfig, resume: bool = False, overwrite: bool = False):
+        self.cfg = cfg
+        self.out = check_run_dir(cfg.out, resume, overwrite)
+        self.device = resolve_device(cfg.device)
+        dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+        self.policy, self.tokenizer, model_style = load_model(cfg.model, self.device, dtype)
+        self.prompt_style = resolve_prompt_style(cfg.prompt_style, self.tokenizer, model_style)
+        # The reference is the starting model, frozen; it needs no optimizer state and no checkpoint.
+        self.ref = None
+        if cfg.kl_coef != 0:
+            self.ref = copy.deepcopy(self.policy).eval()
+            self.ref.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.step = 0
+        self.metrics_path = self.out / METRICS_FILE
+        torch.manual_seed(cfg.seed)
+        import random
+
+        random.seed(cfg.seed)
+        self._restore_or_start(resume)
+
+    def _restore_or_start(self, resume: bool) -> None:
+        ckpt = load_checkpoint(self.out) if resume else None
+        if ckpt is None:
+            self.metrics_path.write_text("")  # a fresh run (or a resumed one that never checkpointed)
+            (self.out / CONFIG_FILE).write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+            return
+        # Fields that may change between a run and its resumption: the rest must match.
+        free = ("steps", "progress", "out", "device", "loss_backend")
+        saved = {k: v for k, v in ckpt["config"].items() if k not in free}
+        given = {k: v for k, v in self.cfg.to_dict().items() if k not in free}
+        if saved != given:
+            diff = sorted(k for k in saved if saved[k] != given.get(k))
+            raise ValueError(f"resume: settings differ from the checkpointed run's: {diff}")
+        self.policy.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        set_rng_state(ckpt["rng"])
+        self.step = ckpt["step"]
+        # Drop metrics logged after the checkpoint (the step that was in flight is redone).
+        with open(self.metrics_path, "r+b") as f:
+            f.truncate(ckpt["metrics_offset"])
+
+    def prompts(self, records: list) -> list:
+        return [prompt_for(r, self.prompt_style, self.tokenizer) for r in records]
+
+    def train_step(self) -> dict:
+        """Run step ``self.step + 1``: sample, score, update. Returns its metrics."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        records = train_puzzles(cfg.seed, self.step, cfg.prompts_per_step, cfg.people)
+        exp = make_experience(self.policy, self.ref, self.tokenizer, records, self.prompts(records), cfg)
+        t1 = time.perf_counter()
+        # Shuffling depends only on (seed, step), so a resumed step reshuffles identically.
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
+        update = update_policy(self.policy, self.optimizer, exp, cfg, generator)
+        t2 = time.perf_counter()
+
+        mask = exp.rollout.action_mask
+        tokens = mask.sum().clamp(min=1)
+        probs = exp.old_log_probs.exp()
+        metrics = {
+            "step": self.step + 1,
+            "reward": float(exp.rewards.mean()),
+            "accuracy": float(exp.correct.float().mean()),
+            "format_rate": float(exp.format_ok.float().mean()),
+            "response_tokens": float(mask.sum(-1).float().mean()),
+            "low_token_fraction": float(((probs < cfg.eta) & mask).sum() / tokens),
+            "mean_ar_weight": float((ar_weight(exp.old_log_probs, cfg.alpha) * mask).sum() / tokens),
+        }
+        if exp.ref_log_probs is not None:
+            kl = approx_kl(exp.old_log_probs, exp.ref_log_probs, cfg.kl_estimator)
+            metrics["kl"] = float((kl * mask).sum() / tokens)
+        metrics.update(update)
+        metrics.update({"rollout_s": t1 - t0, "train_s": t2 - t1})
+        self.step += 1
+        if cfg.eval_prompts and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+            metrics.update({f"eval_{k}": v for k, v in self.evaluate().items()})
+        return metrics
+
+    def evaluate(self) -> dict:
+        """Greedy held-out metrics on ``cfg.eval_prompts`` fixed puzzles."""
+        records = eval_puzzles(self.cfg.eval_prompts, self.cfg.people)
+        return greedy_eval(self.policy, self.tokenizer, records, self.prompts(records), self.cfg.max_new_tokens)
+
+    def _log(self, metrics: dict) -> int:
+        """Append one line to metrics.jsonl durably; returns the file size after it."""
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            return f.tell()
+
+    def save(self, offset: int) -> None:
+        save_checkpoint(
+            self.out, model=self.policy, optimizer=self.optimizer, step=self.step, metrics_offset=offset,
+            config=self.cfg.to_dict(),
+        )  # fmt: skip
+
+    def run(self, desc: Optional[str] = None) -> list:
+        """Train until ``cfg.steps`` steps are done; returns all metrics rows of the run (resumed ones too)."""
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=desc or cfg.method, disable=not cfg.progress, leave=True)
+        while self.step < cfg.steps:
+            metrics = self.train_step()
+            if self.step == cfg.steps and cfg.eval_prompts:
+                metrics.update({f"eval_{k}": v for k, v in self.evaluate().items()})
+            offset = self._log(metrics)
+            if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+                self.save(offset)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
+        bar.close()
+        save_model(self.policy, self.tokenizer, self.out / FINAL_MODEL_DIR, self.prompt_style)
+        rows = read_metrics(self.metrics_path)
+        plot_runs({cfg.method: rows}, self.out / PLOT_FILE, title=f"{cfg.method} ({self.out.name})")
+        return rows
+
+
+def read_metrics(path: str | os.PathLike) -> list:
+    """The rows of a metrics.jsonl file (a torn last line, from a crash mid-write, is ignored)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> list:
+    """Run (or resume) one local training run; returns its metrics rows."""
+    trainer = LocalTrainer(cfg, resume=resume, overwrite=overwrite)
+    return trainer.run()

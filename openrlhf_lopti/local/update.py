@@ -1,0 +1,113 @@
+"""The policy update on one batch of experience: Lopti phases x epochs x mini-batches x micro-batches.
+
+The per-token loss is :func:`openrlhf_lopti.ops.fused_policy_loss` (AR is its ``alpha``) and the phases
+are :func:`openrlhf_lopti.algo.lopti_phases`: the same code the OpenRLHF actor runs. A Lopti round
+(PAPER_NOTES.md §4, the authors' code):
+
+- phase k trains on its tokens only: other tokens' advantages are zeroed AND the phase mask is the
+  loss mask, so their clipped surrogate, KL and entropy all drop out;
+- the token-mean denominator is every response token of the mini-batch in both phases, not the
+  phase's count, so the two phases together weigh tokens as one plain GRPO pass does;
+- ``old_log_probs`` stay the rollout's, while phase 2's forward runs on the weights phase 1 updated.
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from openrlhf_lopti.algo import lopti_phases
+from openrlhf_lopti.ops import fused_policy_loss
+
+from .config import TrainConfig
+from .experience import Experience
+from .rollout import response_logits
+
+
+def phase_masks(exp: Experience, cfg: TrainConfig) -> list:
+    """``[B, T]`` bool masks of the update phases in order: Lopti's two, or the whole action mask."""
+    if cfg.lopti:
+        return lopti_phases(exp.old_log_probs, exp.rollout.action_mask, cfg.eta, cfg.lopti_order, cfg.lopti_quantile)
+    return [exp.rollout.action_mask]
+
+
+def update_policy(
+    policy, optimizer, exp: Experience, cfg: TrainConfig, generator: Optional[torch.Generator] = None
+) -> dict:
+    """Train ``policy`` on ``exp``; returns the update's metrics.
+
+    Each phase runs ``cfg.epochs`` passes over the batch in shuffled mini-batches of
+    ``cfg.mini_batch_size`` responses, one optimizer step each, accumulating gradients over
+    micro-batches of ``cfg.micro_batch_size`` responses. ``generator`` drives the shuffling.
+
+    Returns:
+        ``loss`` (token-mean over the batch's response tokens, summed over phases, averaged over epochs),
+        ``clip_ratio`` and ``entropy`` (token means over trained tokens), ``grad_norm`` (mean over
+        optimizer steps, before clipping), ``optimizer_steps``; with Lopti also ``phase{k}_loss``,
+        ``phase{k}_tokens``, ``phase{k}_clip_ratio``, ``phase{k}_grad_norm`` for k = 1, 2 in update order.
+    """
+    rollout = exp.rollout
+    batch = len(rollout)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    total_tokens = int(rollout.action_mask.sum())
+    micro = cfg.micro_batch_size or cfg.mini_batch_size
+    kl_coef = cfg.kl_coef if cfg.estimator == "grpo" else 0.0  # REINFORCE++ has its KL in the reward
+    ref = exp.ref_log_probs if kl_coef != 0 else None
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+
+    metrics = {"loss": 0.0, "optimizer_steps": 0}
+    clipped_all = entropy_all = trained_all = 0.0
+    norms_all = []
+    policy.train()
+    for k, phase in enumerate(phase_masks(exp, cfg), start=1):
+        phase_tokens = int(phase.sum())
+        loss_sum = clipped = entropy = 0.0
+        norms = []
+        if phase_tokens:  # an empty phase is skipped but keeps its number
+            advantages = exp.advantages * phase
+            for _ in range(cfg.epochs):
+                order = torch.randperm(batch, generator=generator).to(rollout.sequences.device)
+                for mini in order.split(cfg.mini_batch_size):
+                    optimizer.zero_grad(set_to_none=True)
+                    denom = rollout.action_mask[mini].sum().clamp(min=1)
+                    for part_rows in mini.split(micro):
+                        part = rollout.select(part_rows)
+                        rows = part.action_mask  # [b, T]; only response tokens are computed
+                        logits = response_logits(policy, part)[rows]  # [N, V]
+                        out = fused_policy_loss(
+                            logits,
+                            part.sequences[:, part.prompt_len :][rows],
+                            exp.old_log_probs[part_rows][rows],
+                            advantages[part_rows][rows],
+                            phase[part_rows][rows],
+                            ref_log_probs=None if ref is None else ref[part_rows][rows],
+                            alpha=cfg.alpha,
+                            eps_low=cfg.eps_low,
+                            eps_high=cfg.eps_high,
+                            kl_coef=kl_coef,
+                            kl_estimator=cfg.kl_estimator,
+                            temperature=cfg.temperature,
+                            return_entropy=True,
+                            backend=cfg.loss_backend,
+                        )
+                        (out.loss.sum() / denom).backward()
+                        loss_sum += float(out.loss.detach().sum())
+                        clipped += float(out.clipped.sum())
+                        entropy += float(out.entropy.detach().sum())
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+                    optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        trained = phase_tokens * cfg.epochs
+        metrics["loss"] += loss_sum / max(total_tokens * cfg.epochs, 1)
+        metrics["optimizer_steps"] += len(norms)
+        clipped_all, entropy_all, trained_all = clipped_all + clipped, entropy_all + entropy, trained_all + trained
+        norms_all += norms
+        if cfg.lopti:
+            metrics[f"phase{k}_tokens"] = phase_tokens
+            metrics[f"phase{k}_loss"] = loss_sum / max(total_tokens * cfg.epochs, 1)
+            metrics[f"phase{k}_clip_ratio"] = clipped / max(trained, 1)
+            metrics[f"phase{k}_grad_norm"] = sum(norms) / len(norms) if norms else 0.0
+    metrics["clip_ratio"] = clipped_all / max(trained_all, 1)
+    metrics["entropy"] = entropy_all / max(trained_all, 1)
+    metrics["grad_norm"] = sum(norms_all) / len(norms_all) if norms_all else 0.0
+    return metrics

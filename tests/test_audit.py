@@ -1,0 +1,135 @@
+"""The audit: binning, gradient norms checked against the closed form, update directions, the command."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from openrlhf_lopti.__main__ import main as cli_main
+from openrlhf_lopti.audit.measure import (
+    bin_edges,
+    bin_index,
+    correct_direction,
+    logit_grad_norms,
+    param_grad_norms,
+    per_bin_mean,
+)
+from openrlhf_lopti.audit.report import format_table
+from openrlhf_lopti.local.config import METHODS, TrainConfig
+from openrlhf_lopti.local.experience import Experience
+from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer, save_model
+from openrlhf_lopti.local.rollout import generate_rollouts, response_logits, response_logprobs
+from openrlhf_lopti.local.task import compact_prompt, puzzles
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = build_word_tokenizer()
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, seed=1)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)  # spread token probabilities over (0, 1)
+    torch.manual_seed(0)
+    prompts = [compact_prompt(r) for r in puzzles(0, 0, 2, [2])]
+    rollout = generate_rollouts(model, tok, prompts, 4, 8, temperature=0.7)
+    old = response_logprobs(model, rollout, 0.7)
+    adv = torch.tensor([1.5, -0.5, 1.0, -2.0, 0.0, 0.0, 1.0, -1.0]).view(-1, 1) * rollout.action_mask
+    n = len(rollout)
+    flags = torch.zeros(n, dtype=torch.bool)
+    exp = Experience(rollout, old, None, adv, torch.zeros(n), flags, ~flags)
+    cfg = TrainConfig(model="m", out="o", temperature=0.7, kl_coef=0.0, lr=1e-2, mini_batch_size=n,
+                      loss_backend="torch", n_samples=4, prompts_per_step=2)  # fmt: skip
+    return model, tok, exp, cfg
+
+
+def test_bins():
+    p = torch.tensor([0.0, 0.1, 0.25, 0.49, 0.5, 0.74, 0.75, 1.0])
+    assert bin_index(p, bin_edges(p)).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    q = torch.rand(400)
+    counts = torch.bincount(bin_index(q, bin_edges(q, "quantile")), minlength=4)
+    assert counts.tolist() == [100] * 4
+    means = per_bin_mean(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 2]), torch.tensor([True, True, False]))
+    assert means[0] == 2.0 and all(math.isnan(v) for v in means[1:])  # empty bins are NaN, not 0
+    with pytest.raises(ValueError, match="bins"):
+        bin_edges(p, "deciles")
+
+
+def test_logit_grad_norm_is_autograd_and_matches_the_closed_form(setup):
+    """At the sampling weights (ratio 1, nothing clipped): |A| / T * ||onehot - softmax(z / T)||."""
+    model, _, exp, cfg = setup
+    got = logit_grad_norms(model, exp, cfg)
+    rows = exp.rollout.action_mask
+    with torch.no_grad():
+        z = response_logits(model, exp.rollout)[rows]
+    labels = exp.rollout.sequences[:, exp.rollout.prompt_len :][rows]
+    p = torch.softmax(z / cfg.temperature, -1)
+    onehot = torch.nn.functional.one_hot(labels, p.shape[-1]).float()
+    expected = exp.advantages[rows].abs() / cfg.temperature * (onehot - p).norm(dim=-1)
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-6)
+    probs = exp.old_log_probs[rows].exp()
+    assert probs.min() < 0.5 < probs.max()  # the check covered low and high tokens
+
+
+def test_param_grad_norm_matches_a_single_token_backward(setup):
+    model, _, exp, cfg = setup
+    model = copy.deepcopy(model)
+    norms = param_grad_norms(model, exp, cfg, torch.tensor([0, 3]))
+    rows = exp.rollout.action_mask
+    logits = response_logits(model, exp.rollout)[rows]
+    label = exp.rollout.sequences[:, exp.rollout.prompt_len :][rows][3]
+    logp = torch.log_softmax(logits / cfg.temperature, -1)[3, label]
+    loss = -torch.exp(logp - exp.old_log_probs[rows][3]) * exp.advantages[rows][3]
+    model.zero_grad()
+    loss.backward()
+    manual = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
+    assert norms[1].item() == pytest.approx(manual, rel=1e-4)
+
+
+def test_correct_direction_leaves_the_model_alone(setup):
+    model, _, exp, cfg = setup
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    probs = exp.old_log_probs[exp.rollout.action_mask].exp()
+    bins = bin_index(probs, bin_edges(probs))
+    fractions, deltas = correct_direction(model, exp, cfg, bins, list(METHODS), optimizer="sgd")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert set(fractions) == set(METHODS) and all(len(v) == 4 for v in fractions.values())
+    positive = exp.advantages[exp.rollout.action_mask] > 0
+    for m in METHODS:
+        assert deltas[m].abs().sum() > 0
+        # among positive tokens, most log-probs rise after an SGD step on this small batch
+        assert (deltas[m][positive] > 0).float().mean() > 0.5
+    zero = TrainConfig.from_dict({**cfg.to_dict(), "lr": 1e-30})
+    frozen, _ = correct_direction(model, exp, zero, bins, ["grpo"], optimizer="adamw")
+    assert all(v == 0 or math.isnan(v) for v in frozen["grpo"])  # nothing moves: nothing counts as up
+
+
+def test_audit_command_default_model(tmp_path, capsys):
+    out = tmp_path / "audit"
+    argv = ["audit", "--out", str(out), "--warmup-steps", "5", "--warmup-target", "0", "--prompts", "2",
+            "--n-samples", "4", "--param-grad-tokens", "2"]  # fmt: skip
+    assert cli_main(argv) == 0
+    result = json.loads((out / "audit.json").read_text())
+    assert len(result["grad_norm_by_quartile"]) == 4 and len(result["param_grad_norm_by_quartile"]) == 4
+    assert list(result["correct_direction_by_quartile"]) == list(METHODS)
+    assert all(len(v) == 4 for v in result["correct_direction_by_quartile"].values())
+    assert sum(result["token_count_by_quartile"]) == result["tokens"] > 0
+    assert (out / "audit.png").stat().st_size > 0 and (out / "warmup_model" / "config.json").exists()
+    printed = capsys.readouterr().out
+    assert "| Q1 |" in printed and "| Q4 |" in printed and "up: ar+lopti" in printed
+    assert cli_main(argv) == 2  # refuses to overwrite
+
+
+def test_audit_command_any_model_quantile_bins(tmp_path, setup):
+    model, tok, _, _ = setup
+    save_model(model, tok, tmp_path / "m", prompt_style="compact")
+    out = tmp_path / "a"
+    argv = ["audit", "--model", str(tmp_path / "m"), "--out", str(out), "--prompts", "2", "--n-samples", "2",
+            "--bins", "quantile", "--optimizer", "sgd", "--param-grad-tokens", "0",
+            "--methods", "grpo,lopti"]  # fmt: skip
+    assert cli_main(argv) == 0
+    result = json.loads((out / "audit.json").read_text())
+    assert result["param_grad_norm_by_quartile"] is None
+    assert list(result["correct_direction_by_quartile"]) == ["grpo", "lopti"]
+    assert result["bin_edges"][0] == 0.0 and result["bin_edges"][-1] == 1.0
+    assert "|grad| params" not in format_table(result)

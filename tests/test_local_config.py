@@ -1,0 +1,72 @@
+"""TrainConfig validation, method presets and the GRPO / REINFORCE++ advantage estimators."""
+
+import pytest
+import torch
+
+from openrlhf_lopti.local.advantages import grpo_advantages, reinforce_pp_advantages
+from openrlhf_lopti.local.config import METHODS, TrainConfig, method_settings
+
+
+def make(**kw):
+    return TrainConfig(model="m", out="o", **kw)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("alpha", 1.5), ("eta", 0.0), ("lopti_order", "sideways"), ("lopti_quantile", 1.0), ("steps", 0),
+        ("n_samples", 1), ("people", [1]), ("temperature", 0.0), ("lr", float("nan")), ("grad_clip", -1.0),
+        ("eps_low", 1.0), ("kl_estimator", "k4"), ("dtype", "float16"), ("loss_backend", "cuda"),
+        ("estimator", "ppo"), ("micro_batch_size", -1), ("prompt_style", "fancy"),
+    ],
+)  # fmt: skip
+def test_bad_values_raise_naming_the_field(field, value):
+    # algo's checks name Lopti's arguments as lopti_phases does: "order", "quantile"
+    name = {"lopti_order": "order", "lopti_quantile": "quantile"}.get(field, field)
+    with pytest.raises(ValueError, match=name):
+        make(**{field: value})
+
+
+def test_presets_and_method_names():
+    assert METHODS["ar"][0] == 0.3  # the paper's K&K alpha
+    names = {m: make(**method_settings(m)).method for m in METHODS}
+    assert names == {m: m for m in METHODS}
+    assert make(estimator="reinforce++", alpha=0.3).method == "reinforce++:ar"
+    with pytest.raises(ValueError, match="method"):
+        method_settings("ppo")
+
+
+def test_dict_round_trip_and_unknown_keys():
+    cfg = make(alpha=0.1, people=[3, 4])
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown config fields"):
+        TrainConfig.from_dict({**cfg.to_dict(), "beta": 1})
+
+
+def test_grpo_advantages_by_hand():
+    rewards = torch.tensor([3.0, -3.0, 3.0, 1.0, 1.0, 1.0])
+    mask = torch.tensor([[1, 1, 0]] * 6, dtype=torch.bool)
+    adv = grpo_advantages(rewards, 3, mask)
+    first = (torch.tensor([3.0, -3.0, 3.0]) - 1.0) / torch.tensor([3.0, -3.0, 3.0]).std()
+    assert torch.allclose(adv[:3, 0], first, atol=1e-6)
+    assert torch.equal(adv[3:], torch.zeros(3, 3))  # a group of equal rewards has nothing to learn
+    assert torch.equal(adv[:, 2], torch.zeros(6))
+    with pytest.raises(ValueError, match="group_size"):
+        grpo_advantages(rewards, 4, mask)
+
+
+def test_reinforce_pp_advantages_by_hand():
+    rewards = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    old = torch.tensor([[-0.1, -0.2, -0.3], [-0.5, -0.4, 0.0]])
+    ref = torch.tensor([[-0.2, -0.2, -0.1], [-0.5, -0.6, 0.0]])
+    kl = 0.5
+    token = -kl * (old - ref) * mask
+    token[0, 2] += 1.0
+    token[1, 1] += -1.0
+    returns = torch.stack([token[0].flip(0).cumsum(0).flip(0), token[1].flip(0).cumsum(0).flip(0)]) * mask
+    values = returns[mask]
+    expected = (returns - values.mean()) / values.var(unbiased=False).sqrt() * mask
+    got = reinforce_pp_advantages(rewards, mask, old, ref, kl)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert got[1, 2] == 0

@@ -1,0 +1,127 @@
+"""The trainer end to end in-process on a tiny model: metrics, checkpoints, exact resumption, run-dir rules."""
+
+import json
+
+import pytest
+import torch
+
+from openrlhf_lopti.local.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+from openrlhf_lopti.local.cli import build_parser, config_from_args
+from openrlhf_lopti.local.config import TrainConfig
+from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer, load_model, save_model
+from openrlhf_lopti.local.trainer import LocalTrainer, read_metrics
+from openrlhf_lopti.local.warmup import supervised_warmup
+
+TIMING = ("rollout_s", "train_s")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A 1-layer model warmed up just enough to write tags sometimes, so rewards (and advantages) vary."""
+    tok = build_word_tokenizer()
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    torch.manual_seed(0)
+    supervised_warmup(model, tok, 30, batch_size=16, lr=1e-2, progress=False)
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    save_model(model, tok, path, prompt_style="compact")
+    return path
+
+
+def config(model_dir, out, **kw):
+    base = dict(model=str(model_dir), out=str(out), steps=4, prompts_per_step=2, n_samples=4, max_new_tokens=16,
+                mini_batch_size=4, lr=1e-2, kl_coef=0.01, loss_backend="torch", progress=False)  # fmt: skip
+    return TrainConfig(**{**base, **kw})
+
+
+def strip(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def test_a_run_writes_metrics_checkpoint_plots_and_a_loadable_model(model_dir, tmp_path):
+    cfg = config(model_dir, tmp_path / "run", lopti=True, alpha=0.3, eval_prompts=4)
+    rows = LocalTrainer(cfg).run()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for key in ("reward", "accuracy", "kl", "low_token_fraction", "mean_ar_weight", "clip_ratio", "grad_norm",
+                "phase1_loss", "phase2_loss", "entropy"):  # fmt: skip
+        assert all(key in r for r in rows), key
+    assert 0.7 <= rows[0]["mean_ar_weight"] <= 1.0
+    assert "eval_accuracy" in rows[-1] and "eval_accuracy" not in rows[0]
+    assert any(r["reward"] != rows[0]["reward"] for r in rows) or len({r["grad_norm"] for r in rows}) > 1
+    out = tmp_path / "run"
+    assert (out / "plots.png").stat().st_size > 0
+    assert json.loads((out / "config.json").read_text())["lopti"] is True
+    assert load_checkpoint(out)["step"] == 4
+    model, tok, style = load_model(out / "final_model")
+    assert style == "compact" and len(tok) == model.config.vocab_size
+
+
+def test_resume_after_a_crash_continues_exactly(model_dir, tmp_path):
+    """Kill simulated after step 2's checkpoint and half of step 3's log line: the resumed run drops the
+    torn line, redoes step 3 and ends with the same metrics as a run that never stopped."""
+    full = LocalTrainer(config(model_dir, tmp_path / "full", lopti=True)).run()
+    crashed = tmp_path / "crashed"
+    LocalTrainer(config(model_dir, crashed, lopti=True, steps=2)).run()
+    with open(crashed / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "rew')  # the line being written when the process died
+    resumed = LocalTrainer(config(model_dir, crashed, lopti=True), resume=True)
+    assert resumed.step == 2
+    rows = resumed.run()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert strip(rows) == strip(full)
+
+
+def test_resume_refuses_changed_settings_and_out_dir_rules(model_dir, tmp_path):
+    out = tmp_path / "run"
+    LocalTrainer(config(model_dir, out, steps=1)).run()
+    with pytest.raises(ValueError, match="not empty"):
+        LocalTrainer(config(model_dir, out, steps=1))
+    with pytest.raises(ValueError, match="alpha"):
+        LocalTrainer(config(model_dir, out, steps=2, alpha=0.5), resume=True)
+    with pytest.raises(ValueError, match="exclude"):
+        LocalTrainer(config(model_dir, out), resume=True, overwrite=True)
+    LocalTrainer(config(model_dir, out, steps=1), overwrite=True)  # allowed, and clears the directory
+    assert not (out / CHECKPOINT_FILE).exists()
+
+
+def test_checkpoint_write_is_atomic(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    save_checkpoint(tmp_path, model=model, optimizer=opt, step=1, metrics_offset=10, config={"a": 1})
+    (tmp_path / f".{CHECKPOINT_FILE}.tmp-999").write_bytes(b"half a checkpo")  # a writer that died
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt["step"] == 1 and ckpt["metrics_offset"] == 10 and ckpt["config"] == {"a": 1}
+    assert torch.equal(ckpt["model"]["weight"], model.weight.detach())
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT_FILE]
+    (tmp_path / "empty").mkdir()
+    assert load_checkpoint(tmp_path / "empty") is None
+
+
+def test_cli_precedence_defaults_saved_preset_flags(tmp_path):
+    out = tmp_path / "r"
+    out.mkdir()
+    saved = TrainConfig(model="m0", out=str(out), lr=0.5, alpha=0.1, steps=3).to_dict()
+    (out / "config.json").write_text(json.dumps(saved))
+    parse = build_parser().parse_args
+    cfg = config_from_args(parse(["--resume", "--out", str(out), "--steps", "9"]))
+    assert (cfg.model, cfg.lr, cfg.alpha, cfg.steps) == ("m0", 0.5, 0.1, 9)
+    cfg = config_from_args(parse(["--model", "m", "--out", "x", "--method", "ar+lopti", "--alpha", "0.2"]))
+    assert (cfg.alpha, cfg.lopti, cfg.people) == (0.2, True, [2])
+    cfg = config_from_args(parse(["--model", "m", "--out", "o", "--people", "3,4", "--no-lopti", "--method", "lopti"]))
+    assert cfg.people == [3, 4] and cfg.lopti is False
+    with pytest.raises(ValueError, match="--model"):
+        config_from_args(parse(["--out", "o"]))
+    with pytest.raises(ValueError, match="--out"):
+        config_from_args(parse(["--resume"]))
+    assert read_metrics(tmp_path / "r" / "config.json") == [saved]
+
+
+def test_any_hf_model_with_a_chat_template_trains(tmp_path):
+    """A checkpoint without the demo marker gets kk.make_prompt through its chat template (prompt style auto)."""
+    tok = build_word_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    save_model(model, tok, tmp_path / "plain")  # no prompt style recorded
+    trainer = LocalTrainer(config(tmp_path / "plain", tmp_path / "run", steps=1, max_new_tokens=4))
+    assert trainer.prompt_style == "chat"
+    rows = trainer.run()
+    assert rows[0]["step"] == 1 and rows[0]["reward"] == -3.0
