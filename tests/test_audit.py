@@ -72,18 +72,21 @@ def test_logit_grad_norm_is_autograd_and_matches_the_closed_form(setup):
 
 
 def test_param_grad_norm_matches_a_single_token_backward(setup):
+    """Per-response forwards give the same per-token parameter gradients as a backward through the batch."""
     model, _, exp, cfg = setup
     model = copy.deepcopy(model)
-    norms = param_grad_norms(model, exp, cfg, torch.tensor([0, 3]))
     rows = exp.rollout.action_mask
-    logits = response_logits(model, exp.rollout)[rows]
-    label = exp.rollout.sequences[:, exp.rollout.prompt_len :][rows][3]
-    logp = torch.log_softmax(logits / cfg.temperature, -1)[3, label]
-    loss = -torch.exp(logp - exp.old_log_probs[rows][3]) * exp.advantages[rows][3]
-    model.zero_grad()
-    loss.backward()
-    manual = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
-    assert norms[1].item() == pytest.approx(manual, rel=1e-4)
+    last = int(rows.sum()) - 1
+    norms = param_grad_norms(model, exp, cfg, torch.tensor([last, 0, 3]))
+    labels = exp.rollout.sequences[:, exp.rollout.prompt_len :][rows]
+    for got, t in zip(norms.tolist(), (last, 0, 3)):
+        logits = response_logits(model, exp.rollout)[rows]
+        logp = torch.log_softmax(logits / cfg.temperature, -1)[t, labels[t]]
+        loss = -torch.exp(logp - exp.old_log_probs[rows][t]) * exp.advantages[rows][t]
+        model.zero_grad()
+        loss.backward()
+        manual = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
+        assert got == pytest.approx(manual, rel=1e-4)
 
 
 def test_correct_direction_leaves_the_model_alone(setup):

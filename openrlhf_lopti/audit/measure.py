@@ -8,7 +8,7 @@ Tokens are the response tokens of the batch, binned by their sampling probabilit
   at the sampling weights it equals ``|A_t| / T * ||onehot - softmax(z_t / T)||`` (Prop. 4.2's quantity,
   checked in tests/test_audit.py);
 - ``param_grad_norms``: per token, ``||d loss_t / d theta||`` over all parameters, one backward per token
-  (a random sample of tokens per bin keeps it affordable);
+  through its own response's forward (a random sample of tokens per bin keeps it affordable);
 - ``correct_direction``: after one update of a copy of the model under a method (one optimizer step on
   the whole batch; Lopti: one per phase), which tokens' probability went up.
 """
@@ -85,19 +85,33 @@ def logit_grad_norms(model, exp: Experience, cfg: TrainConfig) -> torch.Tensor:
 
 def param_grad_norms(model, exp: Experience, cfg: TrainConfig, tokens: torch.Tensor) -> torch.Tensor:
     """``[len(tokens)]`` norm of ``d loss_t / d theta`` over all trainable parameters, for the response
-    tokens at flat indices ``tokens``: one shared forward, one backward per token."""
+    tokens at flat indices ``tokens`` (flat = row-major order of the action mask).
+
+    One forward per response that holds a chosen token (that response alone: a backward through the
+    whole batch's graph would cost the batch for every token), then one backward per token.
+    """
     labels, old, adv = _flat(exp)
     params = [p for p in model.parameters() if p.requires_grad]
-    logits = response_logits(model, exp.rollout)[exp.rollout.action_mask]
-    out = fused_policy_loss(
-        logits, labels, old, adv, torch.ones_like(labels, dtype=torch.bool),
-        eps_low=cfg.eps_low, eps_high=cfg.eps_high, temperature=cfg.temperature, backend=cfg.loss_backend,
-    )  # fmt: skip
-    norms = []
+    mask = exp.rollout.action_mask
+    row_of = mask.nonzero()[:, 0]  # [N] response index of each flat token
+    row_start = torch.cumsum(mask.sum(-1), 0) - mask.sum(-1)  # [B] flat index of each response's first token
+    by_row: dict = {}
     for i, t in enumerate(tokens.tolist()):
-        grads = torch.autograd.grad(out.loss[t], params, retain_graph=i < len(tokens) - 1, allow_unused=True)
-        norms.append(math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads if g is not None)))
-    return torch.tensor(norms)
+        by_row.setdefault(int(row_of[t]), []).append((i, t))
+    norms = torch.zeros(len(tokens))
+    for row, items in by_row.items():
+        part = exp.rollout.select(torch.tensor([row], device=mask.device))
+        logits = response_logits(model, part)[part.action_mask]
+        start = int(row_start[row])
+        span = slice(start, start + logits.shape[0])
+        out = fused_policy_loss(
+            logits, labels[span], old[span], adv[span], torch.ones_like(labels[span], dtype=torch.bool),
+            eps_low=cfg.eps_low, eps_high=cfg.eps_high, temperature=cfg.temperature, backend=cfg.loss_backend,
+        )  # fmt: skip
+        for k, (i, t) in enumerate(items):
+            grads = torch.autograd.grad(out.loss[t - start], params, retain_graph=k < len(items) - 1, allow_unused=True)
+            norms[i] = math.sqrt(sum(float(g.float().pow(2).sum()) for g in grads if g is not None))
+    return norms
 
 
 def sample_per_bin(bins: torch.Tensor, keep: torch.Tensor, count: int, seed: int) -> torch.Tensor:

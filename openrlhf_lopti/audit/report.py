@@ -72,8 +72,10 @@ def plot(result: dict, path: str | os.PathLike) -> None:
         twin.bar([i + 0.2 for i in x], [nan if v is None else v for v in params], width=0.4, color="tab:orange",
                  label="w.r.t. parameters")  # fmt: skip
         twin.set_ylabel("mean |grad| w.r.t. parameters")
-        twin.legend(loc="upper right")
-    ax1.legend(loc="upper center")
+        handles = ax1.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        twin.legend(handles=handles, loc="upper right")
+    else:
+        ax1.legend(loc="upper right")
     ax1.set_xticks(x, labels)
     ax1.set_xlabel("token probability bin (sampling policy)")
     ax1.set_title("per-token gradient norm (paper Fig. 1d)")
