@@ -9,6 +9,8 @@ checkpoint; with ``save_every=1`` it loses at most the step in flight.
 import copy
 import json
 import os
+import random
+import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -20,9 +22,9 @@ from openrlhf_lopti.algo import approx_kl, ar_weight
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .config import TrainConfig
 from .experience import make_experience
+from .evaluation import greedy_eval
 from .model import load_model, save_model
 from .plots import plot_runs
-from .evaluation import greedy_eval
 from .task import eval_puzzles, prompt_for, resolve_prompt_style, train_puzzles
 from .update import update_policy
 
@@ -54,8 +56,6 @@ def check_run_dir(out: str | os.PathLike, resume: bool, overwrite: bool) -> Path
             raise ValueError(
                 f"out directory {str(out)!r} is not empty: pass --resume to continue it or --overwrite to replace it"
             )
-        import shutil
-
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     return out
@@ -80,8 +80,6 @@ class LocalTrainer:
         self.step = 0
         self.metrics_path = self.out / METRICS_FILE
         torch.manual_seed(cfg.seed)
-        import random
-
         random.seed(cfg.seed)
         self._restore_or_start(resume)
 
@@ -194,8 +192,3 @@ def read_metrics(path: str | os.PathLike) -> list:
             break
     return rows
 
-
-def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> list:
-    """Run (or resume) one local training run; returns its metrics rows."""
-    trainer = LocalTrainer(cfg, resume=resume, overwrite=overwrite)
-    return trainer.run()
