@@ -4,6 +4,7 @@ Nothing here imports ray, deepspeed, vllm or openrlhf.
 """
 
 from .advantage import ar_weight, check_alpha, reweight_advantages
+from .direction import DIRECTION_EDGES, direction_counts, direction_metrics, sum_direction_counts
 from .lopti import LOPTI_ORDERS, check_lopti_args, lopti_phases
 from .policy_loss import (
     KL_ESTIMATORS,
@@ -15,6 +16,7 @@ from .policy_loss import (
 )
 
 __all__ = [
+    "DIRECTION_EDGES",
     "KL_ESTIMATORS",
     "LOPTI_ORDERS",
     "PolicyLossOutput",
@@ -22,9 +24,12 @@ __all__ = [
     "ar_weight",
     "check_alpha",
     "check_lopti_args",
+    "direction_counts",
+    "direction_metrics",
     "lopti_phases",
     "policy_loss_from_logits",
     "policy_loss_from_logp",
     "reweight_advantages",
+    "sum_direction_counts",
     "token_logprobs",
 ]
