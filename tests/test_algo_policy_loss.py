@@ -20,7 +20,7 @@ from openrlhf_lopti.algo import (
 @pytest.fixture(scope="module")
 def upstream():
     # openrlhf.models imports flash-attn at module top; on CPU our stand-ins let it import (see cpu_stubs).
-    from openrlhf_lopti.openrlhf.cpu_stubs import install_cpu_stubs
+    from openrlhf_lopti.openrlhf.cpu.stubs import install_cpu_stubs
 
     install_cpu_stubs()
     from openrlhf.models.loss import PolicyLoss, aggregate_loss
@@ -191,3 +191,126 @@ def test_unknown_kl_estimator():
 def test_bad_alpha_in_loss():
     with pytest.raises(ValueError, match="alpha"):
         policy_loss_from_logp(torch.zeros(2), torch.zeros(2), torch.ones(2), alpha=2.0)
+
+
+# Non-finite logits (issue 15): -inf is a legal logit with exact results; NaN / +inf is a ValueError.
+
+INF = float("inf")
+
+
+def _drop_columns_case(seed=7, n=6, v=12):
+    """Logits where some columns are -inf (whole columns, scattered entries, all but one in a row)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, v, generator=g) * 3
+    labels = torch.randint(0, v, (n,), generator=g)
+    dead = torch.zeros(n, v, dtype=torch.bool)
+    dead[:, [2, 7]] = True  # whole columns (e.g. padded vocab)
+    dead[1, [0, 5, 9]] = True
+    dead[4] = True  # all but one column: the label's
+    labels[4] = 3
+    dead[torch.arange(n), labels] = False
+    return logits.masked_fill(dead, -INF), labels, dead
+
+
+def _loss_inputs(n, seed=8):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        old_log_probs=-torch.rand(n, generator=g) * 3,
+        advantages=torch.randn(n, generator=g),
+        mask=torch.ones(n, dtype=torch.bool),
+        ref_log_probs=-torch.rand(n, generator=g) * 3,
+    )
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_minus_inf_columns_are_exactly_removed_columns(estimator, temperature):
+    logits, labels, dead = _drop_columns_case()
+    rest = _loss_inputs(len(labels))
+    mask = rest.pop("mask")
+    opts = dict(kl_coef=0.1, kl_estimator=estimator, alpha=0.3, temperature=temperature, return_entropy=True)
+    up = torch.randn(3, len(labels), generator=torch.Generator().manual_seed(9))
+    full = logits.clone().requires_grad_(True)
+    out = policy_loss_from_logits(full, labels, mask=mask, **rest, **opts)
+    (out.loss * up[0] + out.logp * up[1] + out.entropy * up[2]).sum().backward()
+    for i in range(len(labels)):  # row by row: each row has its own set of live columns
+        live = ~dead[i]
+        row = logits[i : i + 1, live].clone().requires_grad_(True)
+        label = live[: labels[i]].sum().view(1)  # the label's index among the live columns
+        one = {k: v[i : i + 1] for k, v in rest.items()}
+        want = policy_loss_from_logits(row, label, mask=mask[i : i + 1], **one, **opts)
+        (want.loss * up[0, i] + want.logp * up[1, i] + want.entropy * up[2, i]).sum().backward()
+        for name in ("loss", "logp", "kl", "entropy"):
+            torch.testing.assert_close(getattr(out, name)[i : i + 1], getattr(want, name).detach(), msg=name)
+        torch.testing.assert_close(full.grad[i, live], row.grad[0])
+        assert torch.all(full.grad[i, ~live] == 0), "a -inf column must get exactly zero gradient"
+    # and the entropy is the textbook one over the live columns
+    for i in range(len(labels)):
+        p = torch.softmax(logits[i, ~dead[i]] / temperature, -1)
+        torch.testing.assert_close(out.entropy[i], -(p * p.log()).sum())
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_minus_inf_at_the_label_is_defined(estimator):
+    """logp = -inf; the ratio is clamped at exp(-20) (finite loss, no loss gradient); KL at its clamp."""
+    g = torch.Generator().manual_seed(10)
+    logits = torch.randn(4, 9, generator=g)
+    labels = torch.tensor([1, 4, 0, 8])
+    logits[0, 1] = logits[3, 8] = -INF
+    logits[3, 2] = -INF
+    rest = _loss_inputs(4)
+    rest["advantages"] = torch.tensor([1.5, 0.7, -0.3, -2.0])
+    leaf = logits.clone().requires_grad_(True)
+    out = policy_loss_from_logits(leaf, labels, **rest, kl_coef=0.1, kl_estimator=estimator, return_entropy=True)
+    assert out.logp[0] == -INF and out.logp[3] == -INF and torch.isfinite(out.logp[1:3]).all()
+    ratio = torch.tensor(-20.0).exp()
+    kl_at_clamp = {"k1": -10.0, "k2": 10.0, "k3": 10.0}[estimator]
+    # A > 0: surr1 = e^-20 A < surr2 = 0.8 A; A < 0: the clipped 0.8 A is the min.
+    want = torch.stack([-ratio * 1.5, torch.tensor(-0.8 * -2.0)]) + 0.1 * kl_at_clamp
+    torch.testing.assert_close(out.loss[[0, 3]], want)
+    assert out.kl[0] == kl_at_clamp and out.kl[3] == kl_at_clamp
+    assert torch.isfinite(out.entropy).all() and torch.isfinite(out.loss).all()
+
+    out.loss.sum().backward()
+    assert torch.isfinite(leaf.grad).all()
+    assert torch.all(leaf.grad[[0, 3]] == 0), "every clamp binds: the loss sends no gradient to those rows"
+    leaf.grad = None
+    out = policy_loss_from_logits(leaf, labels, **rest, return_entropy=True)
+    (out.logp.sum() + out.entropy.sum()).backward()
+    # d logp / dz = onehot - p (p_label = 0) and dH/dz = -p (log p + H): finite, 0 on the -inf columns
+    p = torch.softmax(logits[3], -1)
+    logp = torch.log_softmax(logits[3], -1)
+    h = -(p[p > 0] * logp[p > 0]).sum()
+    want_row = torch.nn.functional.one_hot(labels[3], 9).float() - p - torch.where(p > 0, p * (logp + h), 0.0)
+    torch.testing.assert_close(leaf.grad[3], want_row)
+    assert leaf.grad[3, 2] == 0
+
+
+@pytest.mark.parametrize(
+    "row, bad, what",
+    [
+        (2, dict(col=5, value=float("nan")), "NaN at column 5"),
+        (1, dict(col=0, value=INF), r"\+inf at column 0"),
+        (3, dict(col=None, value=-INF), "-inf in every column"),
+    ],
+)
+def test_nan_or_plus_inf_logits_are_an_error_naming_the_row(row, bad, what):
+    logits = torch.randn(5, 8)
+    if bad["col"] is None:
+        logits[row] = bad["value"]
+    else:
+        logits[row, bad["col"]] = bad["value"]
+    logits[4, 1] = float("nan")  # a later bad row: the first one is named
+    rest = _loss_inputs(5)
+    with pytest.raises(ValueError, match=rf"logits row {row} .*{what}"):
+        policy_loss_from_logits(logits, torch.zeros(5, dtype=torch.long), **rest)
+    rest["mask"][[row, 4]] = False  # bad values on masked rows are padding: accepted
+    out = policy_loss_from_logits(logits, torch.zeros(5, dtype=torch.long), **rest, return_entropy=True)
+    assert torch.isfinite(out.loss).all() and torch.isfinite(out.entropy).all()
+
+
+def test_logits_overflowing_at_the_temperature_are_an_error():
+    logits = torch.randn(3, 6)
+    logits[1, 2] = 3e38  # finite, but / 0.5 is +inf in fp32
+    with pytest.raises(ValueError, match="logits row 1 .*overflow"):
+        policy_loss_from_logits(logits, torch.zeros(3, dtype=torch.long), **_loss_inputs(3), temperature=0.5)

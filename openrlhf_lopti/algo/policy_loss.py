@@ -15,6 +15,19 @@ Per response token (all fp32, nats):
 With alpha = 0 this is, token for token, OpenRLHF 0.11.2's ``PolicyLoss`` (``policy_loss_type="ppo"``,
 no IS correction) plus ``kl_coef * compute_approx_kl`` before aggregation; ``tests/test_algo_policy_loss.py``
 checks that against the installed openrlhf.
+
+Non-finite logits (what every backend of ``ops.fused_policy_loss`` must reproduce):
+
+- ``-inf`` is a legal logit (padded vocab rows, logit processors). Its column has probability exactly 0,
+  adds exactly 0 to the entropy (``0 * log 0 = 0``, the limit) and gets gradient exactly 0: every output
+  and gradient equals the one computed with that column removed.
+- ``-inf`` at the label: ``logp = -inf`` (the token had probability 0). The log ratio clamps at -20, so
+  ``ratio = exp(-20)`` and the loss is finite; each KL estimate sits at its clamp (k1 -10, k2 and k3 +10).
+  Every clamp binds there, so ``loss`` sends no gradient to the row; ``logp`` sends its exact derivative
+  ``onehot - p`` (finite) and the entropy is that of the other columns.
+- NaN or +inf in an unmasked row, a row whose logits are all -inf, or finite logits that overflow fp32
+  when divided by the temperature: the row has no finite log-sum-exp, and :func:`check_logit_rows` raises
+  a ``ValueError`` naming the first such row. Masked rows are never looked at.
 """
 
 from dataclasses import dataclass
@@ -61,6 +74,9 @@ def approx_kl(logp: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = 
     if estimator == "k1":
         value = log_ratio
     elif estimator == "k2":
+        # Clamped first at a bound past sqrt(2 * KL_CLAMP), where the value clamp binds anyway: same values,
+        # and a gradient of 0 rather than 0 * inf = NaN when logp = -inf (a -inf logit at the label).
+        log_ratio = log_ratio.clamp(min=-2 * KL_CLAMP, max=2 * KL_CLAMP)
         value = log_ratio**2 / 2.0
     else:
         log_ratio = log_ratio.clamp(min=-KL_CLAMP)  # beyond -10 k3 exceeds the cap anyway; keeps exp finite
@@ -146,13 +162,56 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
         temperature: > 0; the sampling temperature the rollout used.
 
     Returns:
-        ``(logp [N], entropy [N])`` fp32 tensors, differentiable w.r.t. ``logits``.
+        ``(logp [N], entropy [N])`` fp32 tensors, differentiable w.r.t. ``logits``. -inf logits are exact
+        (probability 0, no entropy term, zero gradient; see the module docstring). ``entropy`` is NaN
+        exactly on the rows with no finite log-sum-exp (a NaN or +inf logit, or all -inf), which is how
+        :func:`policy_loss_from_logits` finds them without another pass over ``[N, V]``.
     """
     log_softmax = torch.log_softmax(logits.float() / temperature, dim=-1)
     index = labels.long().clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
     logp = log_softmax.gather(-1, index).squeeze(-1)
-    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    probs = log_softmax.exp()
+    # p log p -> 0 as p -> 0; log p is replaced (not multiplied by 0) so neither the value nor the gradient
+    # evaluates 0 * -inf. A NaN p (bad row) fails `probs > 0` but still makes the product NaN.
+    entropy = -(probs * torch.where(probs > 0, log_softmax, 0.0)).sum(-1)
     return logp, entropy
+
+
+def check_logit_rows(bad_rows: torch.Tensor, logits: torch.Tensor, temperature: float = 1.0) -> None:
+    """Raise the ``ValueError`` for the first unmasked logits row without a finite log-sum-exp, if any.
+
+    Every backend flags such rows inside the pass it already makes over each row, then calls this: one
+    device-to-host sync, and nothing else is read unless a row is bad.
+
+    Args:
+        bad_rows: ``[N]`` bool, True on unmasked rows where ``logits / temperature`` holds a NaN or +inf,
+            or only -inf (its log-sum-exp is not finite).
+        logits: ``[N, V]`` the logits the flags describe; only the first bad row is read, to say what it holds.
+        temperature: > 0, what the logits were divided by.
+
+    Raises:
+        ValueError: ``"logits row i ..."``, naming what row ``i`` holds (NaN / +inf and its column, all -inf,
+            or an overflow at this temperature).
+    """
+    if bad_rows.numel() == 0:
+        return
+    first = int(torch.where(bad_rows.any(), bad_rows.to(torch.int32).argmax(), -1))  # the one sync
+    if first < 0:
+        return
+    row = logits[first].detach().float().cpu()
+    nan, pos_inf = torch.isnan(row).nonzero(), (row == float("inf")).nonzero()
+    if nan.numel():
+        holds = f"NaN at column {nan[0].item()}"
+    elif pos_inf.numel():
+        holds = f"+inf at column {pos_inf[0].item()}"
+    elif bool((row == float("-inf")).all()):
+        holds = "-inf in every column (no token has a nonzero probability)"
+    else:
+        holds = f"finite values that overflow float32 when divided by temperature={temperature}"
+    raise ValueError(
+        f"logits row {first} (unmasked) has {holds}; logits must be finite or -inf, with a finite value in "
+        "every unmasked row (NaN / +inf logits usually mean the model diverged)"
+    )
 
 
 def policy_loss_from_logits(
@@ -176,12 +235,17 @@ def policy_loss_from_logits(
 
     Materialises fp32 ``[N, V]`` temporaries; the fused kernels compute the same numbers without them.
     Shapes: ``logits [N, V]``, every other tensor ``[N]``. Masked rows give 0 in every output field and
-    no gradient. Other arguments as :func:`policy_loss_from_logp`.
+    no gradient. -inf logits are legal and exact; the module docstring defines a -inf at the label.
+    Other arguments as :func:`policy_loss_from_logp`.
+
+    Raises:
+        ValueError: an unmasked logits row holds a NaN or +inf, or only -inf (:func:`check_logit_rows`).
     """
     if mask is not None:
         # Masked rows may be padding with garbage logits; zero them so nothing non-finite reaches autograd.
         logits = torch.where(mask.bool().unsqueeze(-1), logits, logits.new_zeros(()))
     logp, entropy = token_logprobs(logits, labels, temperature)
+    check_logit_rows(torch.isnan(entropy), logits, temperature)  # masked rows were zeroed: never flagged
     out = policy_loss_from_logp(
         logp,
         old_log_probs,
