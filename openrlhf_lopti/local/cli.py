@@ -51,6 +51,8 @@ HELP = {
     "eval_every": "steps between greedy held-out evaluations (0: only at the end)",
     "eval_prompts": "held-out puzzles per evaluation (0: none)",
     "progress": "tqdm progress bar",
+    "track_direction": "after each update, log per probability bin the share of positive-advantage tokens whose "
+    "log-prob rose and of negative ones whose log-prob fell (direction/*, paper Fig. 3; one extra forward pass)",
 }
 
 

@@ -66,6 +66,7 @@ class TrainConfig:
     eval_every: int = 0  # steps between greedy held-out evaluations; 0 = only at the end
     eval_prompts: int = 0  # held-out puzzles per evaluation; 0 = no evaluation
     progress: bool = True  # tqdm bar
+    track_direction: bool = False  # log direction/* (paper Fig. 3) after each update: one extra forward pass
 
     def __post_init__(self) -> None:
         self.people = [int(p) for p in self.people]

@@ -9,6 +9,11 @@ PANELS = (
     ("kl", "KL(policy || reference), k3"),
     ("low_token_fraction", "fraction of tokens with p < eta"),
 )
+# Added when the rows have them (--track-direction): paper Fig. 3 per step, lowest and highest bin.
+DIRECTION_PANELS = (
+    ("direction/pos_up_q1", "A>0 tokens, p in [0, .25): share whose p rose"),
+    ("direction/pos_up_q4", "A>0 tokens, p in [.75, 1]: share whose p rose"),
+)
 
 
 def smooth(values: list, window: int) -> list:
@@ -23,7 +28,7 @@ def smooth(values: list, window: int) -> list:
 
 
 def plot_runs(runs: dict, path: str | os.PathLike, title: Optional[str] = None, window: int = 0) -> None:
-    """Draw the four panels for one or several runs into one PNG.
+    """Draw the four panels (six with direction metrics) for one or several runs into one PNG.
 
     Args:
         runs: ``{label: metrics rows}`` (rows as in metrics.jsonl; missing keys are skipped).
@@ -36,8 +41,12 @@ def plot_runs(runs: dict, path: str | os.PathLike, title: Optional[str] = None, 
     matplotlib.use("Agg")  # no display needed (and none on CI)
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (key, label) in zip(axes.flat, PANELS):
+    panels = PANELS
+    if any(key in r for rows in runs.values() for r in rows for key, _ in DIRECTION_PANELS):
+        panels = PANELS + DIRECTION_PANELS
+    columns = len(panels) // 2
+    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 7))
+    for ax, (key, label) in zip(axes.flat, panels):
         for name, rows in runs.items():
             points = [(r["step"], r[key]) for r in rows if key in r]
             if not points:
@@ -45,6 +54,8 @@ def plot_runs(runs: dict, path: str | os.PathLike, title: Optional[str] = None, 
             steps, values = zip(*points)
             w = window or max(1, len(values) // 10)
             ax.plot(steps, smooth(list(values), w), label=name)
+        if key.startswith("direction/"):
+            ax.axhline(0.5, color="gray", linestyle="--", linewidth=1)  # chance
         ax.set_title(label)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from openrlhf_lopti.algo import approx_kl, ar_weight
+from openrlhf_lopti.algo import approx_kl, ar_weight, direction_counts, direction_metrics
 
 from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from .config import TrainConfig
@@ -25,6 +25,7 @@ from .experience import make_experience
 from .evaluation import greedy_eval
 from .model import load_model, save_model
 from .plots import plot_runs
+from .rollout import response_logprobs
 from .task import eval_puzzles, prompt_for, resolve_prompt_style, train_puzzles
 from .update import update_policy
 
@@ -136,6 +137,14 @@ class LocalTrainer:
             metrics["kl"] = float((kl * mask).sum() / tokens)
         metrics.update(update)
         metrics.update({"rollout_s": t1 - t0, "train_s": t2 - t1})
+        if cfg.track_direction:
+            # Paper Fig. 3 inside training: this step's tokens re-scored by the updated policy (the optimizer
+            # state is training's own), by the same call and micro-batches that scored them at sampling time.
+            micro = cfg.micro_batch_size or cfg.mini_batch_size
+            new_log_probs = response_logprobs(self.policy, exp.rollout, cfg.temperature, micro)
+            counts = direction_counts(exp.old_log_probs, new_log_probs, exp.advantages, mask)
+            metrics.update(direction_metrics(counts))
+            metrics["direction_s"] = time.perf_counter() - t2
         self.step += 1
         if cfg.eval_prompts and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
             metrics.update({f"eval_{k}": v for k, v in self.evaluate().items()})
