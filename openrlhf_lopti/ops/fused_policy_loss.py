@@ -41,6 +41,36 @@ def _check_inputs(
     n, v = logits.shape
     if v == 0:
         raise ValueError("logits must have a non-empty vocab dimension V")
+    _check_row_inputs(
+        n, v, logits.device, "logits [N, V]", labels, old_log_probs, advantages, mask, ref_log_probs,
+        alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature,
+    )  # fmt: skip
+
+
+def _check_row_inputs(
+    n: int,
+    v: int,
+    device: torch.device,
+    rows_from: str,
+    labels: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_log_probs: Optional[torch.Tensor],
+    alpha: float,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: Optional[float],
+    kl_coef: float,
+    kl_estimator: str,
+    temperature: float,
+) -> None:
+    """The checks of every per-token input and option, for ``N`` rows over a vocab of ``V`` on ``device``.
+
+    ``rows_from`` names the tensor that fixes ``N`` and the device in the messages (``"logits [N, V]"``,
+    or ``"hidden [N, H]"`` for the fused lm_head).
+    """
+    source = rows_from.split()[0]
     per_token = {"labels": labels, "old_log_probs": old_log_probs, "advantages": advantages, "mask": mask}
     if ref_log_probs is not None:
         per_token["ref_log_probs"] = ref_log_probs
@@ -48,9 +78,9 @@ def _check_inputs(
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor of shape [{n}], got {type(tensor).__name__}")
         if tuple(tensor.shape) != (n,):
-            raise ValueError(f"{name} must have shape [N]=[{n}] to match logits [N, V], got {tuple(tensor.shape)}")
-        if tensor.device != logits.device:
-            raise ValueError(f"{name} is on {tensor.device} but logits is on {logits.device}")
+            raise ValueError(f"{name} must have shape [N]=[{n}] to match {rows_from}, got {tuple(tensor.shape)}")
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device} but {source} is on {device}")
     if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
         raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
     for name in ("old_log_probs", "advantages", "ref_log_probs"):
