@@ -131,7 +131,7 @@ def peak_bandwidth(device_name: str) -> Optional[float]:
 # --------------------------------------------------------------------------------------------- backends
 def _openrlhf_functions() -> dict:
     # On a CPU install openrlhf.models needs our flash-attn stand-ins to import (no-op on a GPU install).
-    from openrlhf_lopti.openrlhf.cpu_stubs import install_cpu_stubs
+    from openrlhf_lopti.openrlhf.cpu.stubs import install_cpu_stubs
 
     install_cpu_stubs()
     from openrlhf.models.loss import PolicyLoss

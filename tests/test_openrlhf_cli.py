@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from openrlhf_lopti.cli import train_ppo_ray as cli
-from openrlhf_lopti.openrlhf.cpu_stubs import STUB_MARKER
+from openrlhf_lopti.openrlhf.cpu.stubs import STUB_MARKER
 from openrlhf_lopti.openrlhf.flags import check_config, fused_backend, lopti_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from openrlhf_lopti.openrlhf import cpu_stubs
-from openrlhf_lopti.openrlhf.cpu_stubs import STUB_MARKER, install_cpu_stubs, pad_input, unpad_input
+from openrlhf_lopti.openrlhf.cpu import stubs as cpu_stubs
+from openrlhf_lopti.openrlhf.cpu.stubs import STUB_MARKER, install_cpu_stubs, pad_input, unpad_input
 
 STUB_NAMES = ("flash_attn", "flash_attn.bert_padding", "flash_attn.utils", "flash_attn.utils.distributed",
               "vllm", "vllm.inputs", "vllm.utils")  # fmt: skip

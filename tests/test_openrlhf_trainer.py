@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from openrlhf_lopti.openrlhf.cpu_stubs import install_cpu_stubs
+from openrlhf_lopti.openrlhf.cpu.stubs import install_cpu_stubs
 
 install_cpu_stubs()  # before openrlhf's trainer modules: they import flash_attn / vllm at the top
 

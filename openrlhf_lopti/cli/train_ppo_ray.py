@@ -3,7 +3,9 @@
 Takes every flag of ``python -m openrlhf.cli.train_ppo_ray`` unchanged, plus ours
 (``openrlhf_lopti.openrlhf.flags``), and launches upstream's ``train(args)`` with
 ``LoptiPolicyModelActor`` as the policy actor. ``--help`` and the flag checks run on a CPU-only install;
-launching needs the GPU stack (vLLM, flash-attn, CUDA).
+launching needs the GPU stack (vLLM, flash-attn, CUDA), or ``--cpu``: the same pipeline on a machine without
+a GPU (``openrlhf_lopti.openrlhf.cpu``: the real DeepSpeed engine on its CPU accelerator, Hugging Face
+``generate`` in place of vLLM, Ray with logical GPUs), which also accepts ``--ds.param_dtype fp32``.
 
 How upstream's parser is reused. OpenRLHF builds its parser, post-processes the parsed args (hierarchize,
 defaults, assertions) and calls ``train(args)`` all inside ``if __name__ == "__main__":`` of
@@ -107,6 +109,15 @@ def _parser_and_finish() -> tuple:
     parser = namespace["parser"]
     parser.prog = PROG
     add_lopti_flags(parser)
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="run OpenRLHF's pipeline without a GPU: DeepSpeed on its CPU accelerator (gloo), Hugging Face "
+        "generate in place of vLLM, Ray GPUs as logical resources (RAY_ADDRESS or a local Ray); for dry runs "
+        "and tests of the exact GPU command on a laptop",
+    )
+    dtype = next(action for action in parser._actions if action.dest == "ds.param_dtype")
+    dtype.choices = [*dtype.choices, "fp32"]  # DeepSpeed trains in fp32 on CPU; vLLM's weight sync cannot
     return parser, finish, namespace
 
 
@@ -130,6 +141,8 @@ def parse_args(
         check_config(flat_args)
     except ValueError as exc:
         parser.error(str(exc))
+    if getattr(flat_args, "ds.param_dtype") == "fp32" and not flat_args.cpu:
+        parser.error("--ds.param_dtype fp32 needs --cpu (upstream's vLLM weight sync expects bf16 weights)")
 
     captured = []
 
@@ -144,13 +157,21 @@ def parse_args(
 
 
 def launch(args: SimpleNamespace) -> None:
-    """Upstream's ``train(args)`` with :class:`LoptiPolicyModelActor` as the policy actor (needs the GPU stack)."""
+    """Upstream's ``train(args)`` with :class:`LoptiPolicyModelActor` as the policy actor: on the GPU stack, or
+    with ``--cpu`` through :func:`openrlhf_lopti.openrlhf.cpu.runtime.launch_on_cpu`."""
+    if args.cpu:
+        from openrlhf_lopti.openrlhf.cpu.runtime import launch_on_cpu
+
+        launch_on_cpu(args)
+        return
     try:
         import openrlhf.cli.train_ppo_ray as upstream
 
         from openrlhf_lopti.openrlhf.actor import LoptiPolicyModelActor
     except ImportError as exc:
-        raise SystemExit(f"{PROG}: launching needs OpenRLHF's GPU stack (vLLM, flash-attn, CUDA): {exc}") from None
+        raise SystemExit(
+            f"{PROG}: launching needs OpenRLHF's GPU stack (vLLM, flash-attn, CUDA), or --cpu: {exc}"
+        ) from None
     # train() hands the name PolicyModelActor, looked up in its module, to RayActorGroup: that is the seam.
     upstream.PolicyModelActor = LoptiPolicyModelActor
     upstream.train(args)

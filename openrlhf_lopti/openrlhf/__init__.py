@@ -1,7 +1,8 @@
-"""Glue to OpenRLHF 0.11.2: ``LoptiActorPPOTrainer``, ``LoptiPolicyModelActor``, our CLI flags, CPU stand-ins.
+"""Glue to OpenRLHF 0.11.2: ``LoptiActorPPOTrainer``, ``LoptiPolicyModelActor``, our CLI flags, the ``--cpu`` runtime.
 
 ``flags`` imports nothing from openrlhf; ``trainer`` and ``actor`` import OpenRLHF's Ray trainer, which needs
-vLLM and flash-attn (or, on CPU, ``cpu_stubs.install_cpu_stubs()`` first). They are loaded on first access
+vLLM and flash-attn (or, on CPU, ``cpu.stubs.install_cpu_stubs()`` first). ``cpu/`` holds everything that
+differs when the pipeline runs without a GPU (``--cpu``). They are loaded on first access
 so that importing this package (e.g. for the CLI's ``--help``) stays light.
 """
 
@@ -10,7 +11,7 @@ import importlib
 _LAZY = {
     "LoptiActorPPOTrainer": "openrlhf_lopti.openrlhf.trainer",
     "LoptiPolicyModelActor": "openrlhf_lopti.openrlhf.actor",
-    "install_cpu_stubs": "openrlhf_lopti.openrlhf.cpu_stubs",
+    "install_cpu_stubs": "openrlhf_lopti.openrlhf.cpu.stubs",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,0 +1,137 @@
+"""``openrlhf-lopti tiny-model --out DIR``: a random tiny Llama and tokenizer for dry runs of the real pipeline.
+
+The directory is an ordinary Hugging Face checkpoint (``from_pretrained`` loads it, OpenRLHF and
+``--cpu`` take it as ``--actor.model_name_or_path``). Its tokenizer is a byte-level BPE trained here on
+Knights-and-Knaves text (chat-templated prompts of 2-8 people, ``<think>``/``<answer>`` responses), so it can
+write any string, and every K&K word (names, roles, connectives, tags, list markers) is one or a few tokens.
+It has a ChatML chat template (``--data.apply_chat_template``) whose end-of-turn token is the eos. The
+weights are random: rewards are near the format floor, which is what a dry run needs.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from openrlhf_lopti.tasks import kk
+
+SPECIALS = {"pad": "<|endoftext|>", "bos": "<|im_start|>", "eos": "<|im_end|>"}
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def kk_corpus(puzzles_per_size: int = 40, seed: int = 0) -> list:
+    """Chat-templated K&K prompts and ``<think>..</think> <answer>..</answer>`` solutions, 2 to 8 people."""
+    texts = []
+    for people in range(2, 9):
+        for i in range(puzzles_per_size):
+            puzzle = kk.generate(people, seed * 100_003 + people * 1_000 + i)
+            for message in kk.make_prompt(puzzle):
+                texts.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
+            texts.append(
+                f"<|im_start|>assistant\n<think> {puzzle['quiz']} </think>\n"
+                f"<answer>\n{puzzle['solution_text_format']}\n</answer><|im_end|>"
+            )
+    return texts
+
+
+def build_kk_tokenizer(vocab_size: int = 512, seed: int = 0):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` of ``vocab_size`` ids trained on :func:`kk_corpus`.
+
+    Byte-level: every string round-trips (``decode(encode(s)) == s``), K&K words as single or few tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(kk_corpus(seed=seed), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=SPECIALS["pad"],
+        bos_token=SPECIALS["bos"],
+        eos_token=SPECIALS["eos"],
+        chat_template=CHAT_TEMPLATE,
+    )
+    return tokenizer
+
+
+def build_tiny_model(hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, max_positions: int = 1024,
+                     vocab_size: int = 512, seed: int = 0):  # fmt: skip
+    """``(model, tokenizer)``: a random ``LlamaForCausalLM`` (tied embeddings) sized for :func:`build_kk_tokenizer`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if hidden_size % num_heads:
+        raise ValueError(f"--hidden-size ({hidden_size}) must be divisible by --heads ({num_heads})")
+    tokenizer = build_kk_tokenizer(vocab_size, seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_positions,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="openrlhf-lopti tiny-model", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory to write (must not exist or be empty)")
+    p.add_argument("--hidden-size", type=int, default=64, help="model width (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary size (default 512)")
+    p.add_argument("--max-positions", type=int, default=1024, help="context length, tokens (default 1024)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tokenizer corpus and the weights")
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"tiny-model: --out {str(out)!r} exists and is not an empty directory; choose a new path", file=sys.stderr)
+        return 2
+    for flag, value in (("--hidden-size", args.hidden_size), ("--layers", args.layers), ("--heads", args.heads),
+                        ("--vocab-size", args.vocab_size), ("--max-positions", args.max_positions)):  # fmt: skip
+        if value < 1:
+            print(f"tiny-model: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
+    try:
+        model, tokenizer = build_tiny_model(
+            args.hidden_size, args.layers, args.heads, args.max_positions, args.vocab_size, args.seed
+        )
+    except ValueError as exc:
+        print(f"tiny-model: {exc}", file=sys.stderr)
+        return 2
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"tiny-model: {params / 1e6:.2f} M parameters, vocabulary {len(tokenizer)}, saved to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

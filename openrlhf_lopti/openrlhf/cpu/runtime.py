@@ -1,0 +1,150 @@
+"""``--cpu``: OpenRLHF 0.11.2's own ``train(args)`` on a machine without a GPU.
+
+What runs is upstream's pipeline: its placement groups, ``RayActorGroup`` s and colocation, ``PPOTrainer``,
+experience maker, reference model, reward file, KL, eval, logging and checkpoints, and our
+``LoptiPolicyModelActor``. :func:`launch_on_cpu` changes three names that upstream's ``train`` looks up, and
+the processes it runs in:
+
+- Ray: ``RAY_ADDRESS`` when set (a cluster whose nodes declare GPUs, e.g. ``ray start --num-gpus N``),
+  otherwise a local Ray whose GPUs are logical resources (``ray.init(num_gpus=...)``), so upstream's
+  ``{"GPU": 1}`` bundles are scheduled while ``torch.cuda.is_available()`` stays False. Every Ray worker runs
+  :func:`setup_cpu_worker` first (``worker_process_setup_hook``) and has ``DS_ACCELERATOR=cpu``;
+- ``get_strategy`` -> :func:`~.strategy.get_cpu_strategy`: the real DeepSpeed engine on its CPU accelerator;
+- ``create_vllm_engines`` -> :func:`~.rollout.create_cpu_rollout_engines`: Hugging Face ``generate`` in place of
+  vLLM, kept in sync by upstream's ``broadcast_to_vllm`` over gloo.
+
+:func:`cpu_settings` checks the flags first: what the CPU path cannot honour fails with a one-line message
+when it would change results, and is noted when it is only a speed or memory setting.
+"""
+
+import os
+import sys
+from typing import Any, List, Tuple
+
+CPU_ENV = {"DS_ACCELERATOR": "cpu"}
+# Upstream's train() passes these to ray.init(runtime_env=...) when it starts Ray itself; we start it first.
+UPSTREAM_ENV = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+
+
+def setup_cpu_worker() -> None:
+    """Ray ``worker_process_setup_hook`` of ``--cpu`` runs: the stand-ins for vLLM (and flash-attn if absent),
+    before any actor class is loaded (upstream's modules import ``vllm`` at the top)."""
+    from .stubs import install_cpu_stubs
+
+    for name, value in CPU_ENV.items():
+        os.environ.setdefault(name, value)
+    install_cpu_stubs(replace_vllm=True)
+
+
+def cpu_settings(args: Any) -> Tuple[List[str], List[str]]:
+    """What ``--cpu`` changes in ``args`` (hierarchized, after upstream's post-processing), in place.
+
+    Returns:
+        ``(errors, notes)``: one line each. Errors are settings whose results the CPU path would change or
+        cannot produce; notes are speed / memory / transport settings it replaces by its own.
+    """
+    errors, notes = [], []
+    if args.ds.packing_samples:
+        errors.append(
+            "--ds.packing_samples needs flash-attn's variable-length attention; on CPU, sdpa would let packed "
+            "samples attend to each other (other log-probs): drop it for --cpu"
+        )
+    if args.ds.ring_attn_size > 1:
+        errors.append("--ds.ring_attn_size > 1 needs flash-attn's ring attention (CUDA): use 1 with --cpu")
+    if args.ds.tensor_parallel_size > 1:
+        errors.append("--ds.tensor_parallel_size > 1 (DeepSpeed AutoTP) is not supported with --cpu: use 1")
+    if args.vllm.tensor_parallel_size != 1:
+        errors.append(
+            f"--vllm.tensor_parallel_size {args.vllm.tensor_parallel_size}: the CPU rollout engine is one process "
+            "per engine; use --vllm.tensor_parallel_size 1 (and as many --vllm.num_engines as you like)"
+        )
+    if not args.vllm.num_engines:
+        errors.append("--vllm.num_engines must be >= 1: upstream samples rollouts only through its rollout engines")
+    if args.ds.load_in_4bit:
+        errors.append("--ds.load_in_4bit needs bitsandbytes' CUDA kernels: drop it for --cpu")
+    if getattr(args.data, "max_images_per_prompt", 0) > 0:
+        errors.append("--data.max_images_per_prompt: the CPU rollout engine generates text only")
+
+    if "flash" in args.ds.attn_implementation:
+        notes.append(f"--ds.attn_implementation {args.ds.attn_implementation} -> sdpa (same attention, CPU kernel)")
+        args.ds.attn_implementation = "sdpa"
+    if args.vllm.sync_backend != "gloo" or args.vllm.sync_with_ray:
+        notes.append(
+            "policy -> rollout weight sync: upstream's broadcast_to_vllm over a gloo group "
+            "(--vllm.sync_backend gloo, without --vllm.sync_with_ray)"
+        )
+        args.vllm.sync_backend, args.vllm.sync_with_ray = "gloo", False
+    if args.ds.adam_offload:
+        notes.append("--ds.adam_offload: the optimizer state is in CPU memory already (torch AdamW)")
+        args.ds.adam_offload = False
+    ignored = [
+        flag
+        for flag, on in (
+            ("--vllm.enable_prefix_caching", args.vllm.enable_prefix_caching),
+            ("--vllm.enforce_eager", args.vllm.enforce_eager),
+            ("--vllm.enable_sleep", args.vllm.enable_sleep),
+            ("--ds.enable_sleep", args.ds.enable_sleep),
+        )
+        if on
+    ]
+    if ignored:
+        notes.append(f"{', '.join(ignored)}, --vllm.gpu_memory_utilization: GPU speed/memory settings, no effect on CPU")
+        args.ds.enable_sleep = False  # offloading DeepSpeed states to CPU memory moves nothing here
+    return errors, notes
+
+
+def _logical_gpus(args: Any) -> int:
+    """Enough logical GPUs for every actor group upstream may place, colocated or not."""
+    total = args.actor.num_nodes * args.actor.num_gpus_per_node
+    total += args.ref.num_nodes * args.ref.num_gpus_per_node
+    total += (args.vllm.num_engines or 0) * args.vllm.tensor_parallel_size
+    if args.critic.model_name_or_path:
+        total += args.critic.num_nodes * args.critic.num_gpus_per_node
+    if not args.reward.remote_url:
+        total += args.reward.num_nodes * args.reward.num_gpus_per_node
+    return total
+
+
+def init_ray(args: Any) -> None:
+    """Connect to ``RAY_ADDRESS`` or start a local Ray with logical GPUs; every worker runs :func:`setup_cpu_worker`."""
+    import ray
+
+    runtime_env = {
+        "env_vars": {**{k: os.environ.get(k, v) for k, v in UPSTREAM_ENV.items()}, **CPU_ENV},
+        "worker_process_setup_hook": f"{__name__}.setup_cpu_worker",
+    }
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
+        return
+    gpus = _logical_gpus(args)
+    # CPUs are logical too: upstream's bundles ask for one per GPU, on top of its controller actor.
+    ray.init(address="local", num_cpus=gpus + 4, num_gpus=gpus, runtime_env=runtime_env, include_dashboard=False)
+
+
+def launch_on_cpu(args: Any) -> None:
+    """Upstream's ``train(args)`` with ``LoptiPolicyModelActor`` as the policy, on CPU (see the module docstring)."""
+    from functools import partial
+
+    errors, notes = cpu_settings(args)
+    if errors:
+        raise SystemExit("\n".join(f"--cpu: {error}" for error in errors))
+    for note in notes:
+        print(f"[openrlhf-lopti] --cpu: {note}", file=sys.stderr)
+
+    for name, value in CPU_ENV.items():
+        os.environ.setdefault(name, value)
+    setup_cpu_worker()  # this process imports upstream's train module too
+    import torch
+
+    import openrlhf.cli.train_ppo_ray as upstream
+
+    from ..actor import LoptiPolicyModelActor
+    from .rollout import create_cpu_rollout_engines
+    from .strategy import get_cpu_strategy
+
+    init_ray(args)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.ds.param_dtype, torch.float32)
+    upstream.get_strategy = get_cpu_strategy
+    upstream.create_vllm_engines = partial(create_cpu_rollout_engines, dtype=dtype)
+    upstream.PolicyModelActor = LoptiPolicyModelActor
+    upstream.train(args)
