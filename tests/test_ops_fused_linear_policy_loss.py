@@ -330,7 +330,8 @@ def test_linear_log_probs_matches_token_logprobs():
     for backend in BACKENDS:
         for entropy in (True, False):
             logp, ent = linear_log_probs(hidden, inputs["weight"], inputs["labels"], bias=inputs["bias"], mask=mask,
-                                         temperature=0.6, return_entropy=entropy, chunk_size=9, backend=backend)  # fmt: skip
+                                         temperature=0.6, return_entropy=entropy, chunk_size=9,
+                                         backend=backend)  # fmt: skip
             want_logp, want_ent = token_logprobs(hidden.detach() @ inputs["weight"].t() + inputs["bias"],
                                                  inputs["labels"], 0.6)  # fmt: skip
             zero = torch.zeros(())
@@ -368,7 +369,8 @@ BAD = [
     (dict(chunk_size=2.0), "chunk_size must be None or an integer >= 1"),
     (dict(backend="gpu"), "backend must be one of"),
     # the per-token checks are fused_policy_loss's, with hidden named as the source of N
-    (dict(labels=torch.zeros(N + 1, dtype=torch.long)), "labels must have shape \\[N\\]=\\[5\\] to match hidden \\[N, H\\]"),
+    (dict(labels=torch.zeros(N + 1, dtype=torch.long)),
+     "labels must have shape \\[N\\]=\\[5\\] to match hidden \\[N, H\\]"),
     (dict(labels=torch.full((N,), V)), "labels must be token ids in \\[0, V\\) = \\[0, 7\\)"),
     (dict(old_log_probs=torch.full((N,), float("nan"))), "old_log_probs must be finite"),
     (dict(advantages=torch.zeros(N, device="meta")), "advantages is on meta but hidden is on cpu"),

@@ -47,6 +47,8 @@ HELP = {
     "device": "auto, cpu, cuda, cuda:N",
     "dtype": "float32 or bfloat16",
     "loss_backend": "fused_policy_loss backend: auto, triton, cpp, torch",
+    "fused_lm_head": "run the lm_head with the loss chunk by chunk from the last hidden states (training step and "
+    "log-prob passes): the model's [tokens, vocab] logits are never made; costs one extra lm_head matmul in backward",
     "save_every": "steps between checkpoints (1: a crash loses at most one step)",
     "eval_every": "steps between greedy held-out evaluations (0: only at the end)",
     "eval_prompts": "held-out puzzles per evaluation (0: none)",

@@ -62,6 +62,7 @@ class TrainConfig:
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     dtype: str = "float32"  # "float32" or "bfloat16"
     loss_backend: str = "auto"
+    fused_lm_head: bool = False  # lm_head + loss chunk by chunk from the last hidden states: no [N, V] logits
     save_every: int = 1  # steps between checkpoints (1: a crash loses at most one step)
     eval_every: int = 0  # steps between greedy held-out evaluations; 0 = only at the end
     eval_prompts: int = 0  # held-out puzzles per evaluation; 0 = no evaluation

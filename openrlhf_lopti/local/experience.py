@@ -47,8 +47,9 @@ def make_experience(policy, ref, tokenizer, records: list, prompts: list, cfg: T
     """
     rollout = generate_rollouts(policy, tokenizer, prompts, cfg.n_samples, cfg.max_new_tokens, cfg.temperature)
     micro = cfg.micro_batch_size or cfg.mini_batch_size
-    old = response_logprobs(policy, rollout, cfg.temperature, micro)
-    ref_lp = response_logprobs(ref, rollout, cfg.temperature, micro) if ref is not None else None
+    passes = dict(fused_lm_head=cfg.fused_lm_head, backend=cfg.loss_backend)
+    old = response_logprobs(policy, rollout, cfg.temperature, micro, **passes)
+    ref_lp = response_logprobs(ref, rollout, cfg.temperature, micro, **passes) if ref is not None else None
 
     scored = [score(text, records[i // cfg.n_samples]) for i, text in enumerate(rollout.responses)]
     device = old.device

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from openrlhf_lopti.algo import token_logprobs
+from openrlhf_lopti.ops import linear_log_probs
+
+from .model import lm_head_parts
 
 
 @dataclass
@@ -117,17 +120,44 @@ def response_logits(model, rollout: Rollout) -> torch.Tensor:
     return out.logits[:, rollout.prompt_len - 1 : -1, :]
 
 
+def response_hidden(model, rollout: Rollout) -> torch.Tensor:
+    """``[B, T, H]`` last hidden states predicting each response token: the base model's output, before the
+    lm_head (``--fused-lm-head``: the model's logits are never computed)."""
+    out = model.get_decoder()(
+        input_ids=rollout.sequences,
+        attention_mask=rollout.attention_mask,
+        position_ids=position_ids(rollout.attention_mask),
+        use_cache=False,
+    )
+    return out.last_hidden_state[:, rollout.prompt_len - 1 : -1, :]
+
+
 @torch.no_grad()
-def response_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int = 0) -> torch.Tensor:
+def response_logprobs(
+    model, rollout: Rollout, temperature: float, micro_batch_size: int = 0, fused_lm_head: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:  # fmt: skip
     """``[B, T]`` fp32 log-probs (nats) of the response tokens under ``softmax(logits / temperature)``;
-    0 outside the action mask. Computed in micro-batches of ``micro_batch_size`` rows (0 = all at once)."""
+    0 outside the action mask. Computed in micro-batches of ``micro_batch_size`` rows (0 = all at once).
+
+    ``fused_lm_head``: from the last hidden states with :func:`openrlhf_lopti.ops.linear_log_probs` (its
+    ``backend``), chunk by chunk on the response tokens only, instead of the model's ``[B, T, V]`` logits.
+    """
     rows = len(rollout)
     step = micro_batch_size or rows
     parts = []
     for start in range(0, rows, step):
         part = rollout.select(torch.arange(start, min(start + step, rows), device=rollout.sequences.device))
-        logits = response_logits(model, part)
         labels = part.sequences[:, part.prompt_len :]
-        logp, _ = token_logprobs(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), temperature)
+        if fused_lm_head:
+            weight, bias = lm_head_parts(model)
+            hidden = response_hidden(model, part)
+            logp, _ = linear_log_probs(
+                hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), bias=bias,
+                mask=part.action_mask.reshape(-1), temperature=temperature, backend=backend,
+            )  # fmt: skip
+        else:
+            logits = response_logits(model, part)
+            logp, _ = token_logprobs(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), temperature)
         parts.append(logp.view(len(part), -1) * part.action_mask)
     return torch.cat(parts, dim=0)

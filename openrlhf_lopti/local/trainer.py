@@ -141,7 +141,8 @@ class LocalTrainer:
             # Paper Fig. 3 inside training: this step's tokens re-scored by the updated policy (the optimizer
             # state is training's own), by the same call and micro-batches that scored them at sampling time.
             micro = cfg.micro_batch_size or cfg.mini_batch_size
-            new_log_probs = response_logprobs(self.policy, exp.rollout, cfg.temperature, micro)
+            new_log_probs = response_logprobs(self.policy, exp.rollout, cfg.temperature, micro,
+                                              fused_lm_head=cfg.fused_lm_head, backend=cfg.loss_backend)  # fmt: skip
             counts = direction_counts(exp.old_log_probs, new_log_probs, exp.advantages, mask)
             metrics.update(direction_metrics(counts))
             metrics["direction_s"] = time.perf_counter() - t2

@@ -17,11 +17,12 @@ from typing import Optional
 import torch
 
 from openrlhf_lopti.algo import lopti_phases
-from openrlhf_lopti.ops import fused_policy_loss
+from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss
 
 from .config import TrainConfig
 from .experience import Experience
-from .rollout import response_logits
+from .model import lm_head_parts
+from .rollout import response_hidden, response_logits
 
 
 def phase_masks(exp: Experience, cfg: TrainConfig) -> list:
@@ -73,13 +74,13 @@ def update_policy(
                     for part_rows in mini.split(micro):
                         part = rollout.select(part_rows)
                         rows = part.action_mask  # [b, T]; only response tokens are computed
-                        logits = response_logits(policy, part)[rows]  # [N, V]
-                        out = fused_policy_loss(
-                            logits,
+                        per_token = (
                             part.sequences[:, part.prompt_len :][rows],
                             exp.old_log_probs[part_rows][rows],
                             advantages[part_rows][rows],
                             phase[part_rows][rows],
+                        )
+                        options = dict(
                             ref_log_probs=None if ref is None else ref[part_rows][rows],
                             alpha=cfg.alpha,
                             eps_low=cfg.eps_low,
@@ -90,6 +91,13 @@ def update_policy(
                             return_entropy=True,
                             backend=cfg.loss_backend,
                         )
+                        if cfg.fused_lm_head:  # [N, H] hidden states and the lm_head: no [N, V] logits
+                            weight, bias = lm_head_parts(policy)
+                            hidden = response_hidden(policy, part)[rows]
+                            out = fused_linear_policy_loss(hidden, weight, *per_token, bias=bias, **options)
+                        else:
+                            logits = response_logits(policy, part)[rows]  # [N, V]
+                            out = fused_policy_loss(logits, *per_token, **options)
                         (out.loss.sum() / denom).backward()
                         loss_sum += float(out.loss.detach().sum())
                         clipped += float(out.clipped.sum())

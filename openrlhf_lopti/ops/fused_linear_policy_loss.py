@@ -64,7 +64,8 @@ def _check_linear_inputs(hidden, weight, bias, chunk_size, backend: str) -> None
         )
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"bias must be None or a [V] = [{weight.shape[0]}] tensor, got {getattr(bias, 'shape', bias)}")
+            got = getattr(bias, "shape", bias)
+            raise ValueError(f"bias must be None or a [V] = [{weight.shape[0]}] tensor, got {got}")
         if bias.dtype != hidden.dtype or bias.device != hidden.device:
             raise ValueError(f"bias must have hidden's dtype and device, got {bias.dtype} on {bias.device}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
@@ -124,7 +125,8 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, rows, chunk, options, backend):
-        loss, logp, kl, clipped, entropy = _forward(hidden, weight, bias, rows, hidden.shape[0], chunk, options, backend)
+        n = hidden.shape[0]
+        loss, logp, kl, clipped, entropy = _forward(hidden, weight, bias, rows, n, chunk, options, backend)
         ctx.save_for_backward(hidden, weight, bias)
         ctx.rows, ctx.chunk, ctx.options, ctx.backend = rows, chunk, options, backend
         ctx.mark_non_differentiable(kl, clipped)
@@ -237,7 +239,8 @@ def fused_linear_policy_loss(
     )  # fmt: skip
     options = dict(alpha=float(alpha), eps_low=float(eps_low), eps_high=float(eps_high),
                    dual_clip=None if dual_clip is None else float(dual_clip), kl_coef=float(kl_coef),
-                   kl_estimator=kl_estimator, temperature=float(temperature), return_entropy=bool(return_entropy))  # fmt: skip
+                   kl_estimator=kl_estimator, temperature=float(temperature),
+                   return_entropy=bool(return_entropy))  # fmt: skip
     rows = _kept_rows(mask, labels, old_log_probs, advantages, ref_log_probs)
     chunk = chunk_size or default_chunk_size(v, hidden.dtype)
     loss, logp, kl, clipped, entropy = _FusedLinearPolicyLoss.apply(hidden, weight, bias, rows, chunk, options, backend)
