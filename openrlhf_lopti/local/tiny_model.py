@@ -39,7 +39,7 @@ def kk_corpus(puzzles_per_size: int = 40, seed: int = 0) -> list:
     return texts
 
 
-def build_kk_tokenizer(vocab_size: int = 512, seed: int = 0):
+def build_kk_tokenizer(vocab_size: int = 1024, seed: int = 0):
     """A byte-level BPE ``PreTrainedTokenizerFast`` of ``vocab_size`` ids trained on :func:`kk_corpus`.
 
     Byte-level: every string round-trips (``decode(encode(s)) == s``), K&K words as single or few tokens.
@@ -68,7 +68,7 @@ def build_kk_tokenizer(vocab_size: int = 512, seed: int = 0):
 
 
 def build_tiny_model(hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, max_positions: int = 1024,
-                     vocab_size: int = 512, seed: int = 0):  # fmt: skip
+                     vocab_size: int = 1024, seed: int = 0):  # fmt: skip
     """``(model, tokenizer)``: a random ``LlamaForCausalLM`` (tied embeddings) sized for :func:`build_kk_tokenizer`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=64, help="model width (default 64)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    p.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary size (default 512)")
+    p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size (default 1024)")
     p.add_argument("--max-positions", type=int, default=1024, help="context length, tokens (default 1024)")
     p.add_argument("--seed", type=int, default=0, help="seed of the tokenizer corpus and the weights")
     return p

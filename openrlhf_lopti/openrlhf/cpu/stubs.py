@@ -150,7 +150,7 @@ class StatelessGlooGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, stream=None) -> None:
         """Broadcast CPU ``tensor`` (any shape/dtype) in place from rank ``src``; ``stream`` is ignored."""
-        self._group.broadcast([tensor], src).wait()
+        self._group.broadcast(tensor, src).wait()
 
 
 @dataclass
