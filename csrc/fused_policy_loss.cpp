@@ -6,7 +6,9 @@
 // derivative is the one torch autograd takes through that code, tie rules of min/max/clamp included.
 // Per row the logits are read in their own dtype (fp32, bf16; fp16 widened one row at a time): the
 // forward keeps only four floats per row, the backward recomputes the softmax from them. Masked rows
-// are never read and get exactly zero output and gradient.
+// are never read and get exactly zero output and gradient. -inf logits are exact (probability 0, no
+// entropy term, zero gradient); a kept row without a finite log-sum-exp (NaN, +inf, all -inf) is flagged
+// in the forward's `bad_rows` output, found in the pass that sums the row, for the caller to raise on.
 
 #include <Python.h>  // first, as Python requires; only for the module stub at the end
 
@@ -21,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -105,7 +108,9 @@ TokenLoss token_loss(float logp, float old_logp, float adv, float ref_logp, cons
     out.kl = clampf(value, -kKlClamp, kKlClamp);
     if (o.kl_coef != 0.0f) {
       out.loss += o.kl_coef * out.kl;
-      out.dloss_dlogp += o.kl_coef * dvalue * pass(value >= -kKlClamp && value <= kKlClamp);
+      // Added only inside the clamp, not multiplied by 0 outside: with logp = -inf (a -inf logit at the
+      // label) k2's dvalue is -inf.
+      if (value >= -kKlClamp && value <= kKlClamp) out.dloss_dlogp += o.kl_coef * dvalue;
     }
   }
   return out;
@@ -180,7 +185,17 @@ void check_labels(const int64_t* labels, const bool* mask, int64_t n, int64_t v)
 
 int64_t rows_per_task(int64_t v) { return std::max<int64_t>(1, kElementsPerTask / v); }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_fwd(
+// The vector kernels' ISA level, picked on the first call (outside any parallel_for); a bad
+// OPENRLHF_LOPTI_CPU_ISA becomes a Python ValueError naming it.
+const char* selected_isa() {
+  try {
+    return row_kernels_isa();
+  } catch (const std::invalid_argument& e) {
+    C10_THROW_ERROR(ValueError, e.what());
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_fwd(
     const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& old_log_probs,
     const at::Tensor& advantages, const at::Tensor& mask, const std::optional<at::Tensor>& ref_log_probs,
     double alpha, double eps_low, double eps_high, std::optional<double> dual_clip, double kl_coef,
@@ -195,6 +210,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   if (has_ref) check_per_token(*ref_log_probs, "ref_log_probs", n, at::kFloat);
   TORCH_CHECK(temperature > 0.0, "temperature must be > 0, got ", temperature);
   TORCH_CHECK(kl_coef == 0.0 || has_ref, "ref_log_probs is required when kl_coef != 0");
+  selected_isa();
 
   // Scalars enter the reference's fp32 ops as float, computed from the Python floats like it does.
   const LossOptions opt{static_cast<float>(alpha),
@@ -213,6 +229,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor clipped = at::empty({n}, f32.dtype(at::kBool));
   at::Tensor entropy = at::empty({return_entropy ? n : 0}, f32);
   at::Tensor stats = at::empty({n, kStatsColumns}, f32);
+  at::Tensor bad_rows = at::empty({n}, f32.dtype(at::kBool));
 
   const int64_t* label_p = labels.const_data_ptr<int64_t>();
   const bool* mask_p = mask.const_data_ptr<bool>();
@@ -226,6 +243,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   bool* clipped_p = clipped.mutable_data_ptr<bool>();
   float* entropy_p = return_entropy ? entropy.mutable_data_ptr<float>() : nullptr;
   float* stats_p = stats.mutable_data_ptr<float>();
+  bool* bad_p = bad_rows.mutable_data_ptr<bool>();
 
   at::parallel_for(0, n, rows_per_task(v), [&](int64_t begin, int64_t end) {
     std::vector<float> widened;
@@ -233,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       float* st = stats_p + i * kStatsColumns;
       if (!mask_p[i]) {
         loss_p[i] = logp_p[i] = kl_p[i] = 0.0f;
-        clipped_p[i] = false;
+        clipped_p[i] = bad_p[i] = false;
         if (entropy_p) entropy_p[i] = 0.0f;
         std::fill(st, st + kStatsColumns, 0.0f);
         continue;
@@ -249,13 +267,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       kl_p[i] = t.kl;
       clipped_p[i] = t.clipped;
       if (entropy_p) entropy_p[i] = token_entropy;
+      bad_p[i] = !s.finite;
       st[0] = s.max;
       st[1] = log_sum;
       st[2] = token_entropy;
       st[3] = t.dloss_dlogp;
     }
   });
-  return {loss, logp, kl, clipped, entropy, stats};
+  return {loss, logp, kl, clipped, entropy, stats, bad_rows};
 }
 
 // Optional upstream gradient of an [N] output, or nullptr when autograd passed none.
@@ -280,6 +299,7 @@ at::Tensor policy_loss_bwd(const at::Tensor& logits, const at::Tensor& labels, c
                   stats.scalar_type() == at::kFloat && stats.is_contiguous(),
               "stats must be the contiguous float32 [N, 4] tensor policy_loss_fwd returned");
   TORCH_CHECK(temperature > 0.0, "temperature must be > 0, got ", temperature);
+  selected_isa();
   at::Tensor keep_loss, keep_logp, keep_entropy;
   const float* g_loss = upstream(grad_loss, "grad_loss", n, keep_loss);
   const float* g_logp = upstream(grad_logp, "grad_logp", n, keep_logp);
@@ -318,7 +338,8 @@ at::Tensor policy_loss_bwd(const at::Tensor& logits, const at::Tensor& labels, c
 
       const int64_t label = label_p[i];
       const float u = (rows.at(rows.row(i), label) * inv_t - max) - log_sum;
-      const float at_label = -std::exp(u) * (b == 0.0f ? a : a + b * u) + g * inv_t;  // as the row kernel
+      const float p = std::exp(u);  // 0 for a -inf label logit, whose b * u term is then skipped, not 0 * -inf
+      const float at_label = (p > 0.0f ? -p * (b == 0.0f ? a : a + b * u) : 0.0f) + g * inv_t;
       if (dtype == at::kFloat) {
         reinterpret_cast<float*>(out)[label] = at_label;
       } else if (dtype == at::kBFloat16) {
@@ -333,7 +354,7 @@ at::Tensor policy_loss_bwd(const at::Tensor& logits, const at::Tensor& labels, c
   return grad;
 }
 
-std::string cpu_isa() { return row_kernels_isa(); }
+std::string cpu_isa() { return selected_isa(); }
 
 }  // namespace
 
@@ -342,7 +363,7 @@ TORCH_LIBRARY_FRAGMENT(openrlhf_lopti, m) {
       "policy_loss_fwd(Tensor logits, Tensor labels, Tensor old_log_probs, Tensor advantages, Tensor mask, "
       "Tensor? ref_log_probs, float alpha, float eps_low, float eps_high, float? dual_clip, float kl_coef, "
       "str kl_estimator, float temperature, bool return_entropy) "
-      "-> (Tensor loss, Tensor logp, Tensor kl, Tensor clipped, Tensor entropy, Tensor stats)");
+      "-> (Tensor loss, Tensor logp, Tensor kl, Tensor clipped, Tensor entropy, Tensor stats, Tensor bad_rows)");
   m.def(
       "policy_loss_bwd(Tensor logits, Tensor labels, Tensor mask, Tensor stats, Tensor? grad_loss, "
       "Tensor? grad_logp, Tensor? grad_entropy, float temperature) -> Tensor");

@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
 
 #if !(defined(__GNUC__) || defined(__clang__))
 #error "csrc/softmax_rows.cpp needs GNU vector extensions (GCC or Clang)"
@@ -167,37 +169,54 @@ OL_INLINE RowSoftmaxStats stats_impl(const void* row_ptr, int64_t v, float inv_t
   }
   mx *= inv_t;  // monotone: max(z) * inv_t == max(z * inv_t)
 
-  // Pass 2: sum of exp(t) and, for the entropy, of exp(t) * t.
+  // Pass 2: sum of exp(t) and, for the entropy, of exp(t) * t. A NaN t flags the row (a NaN logit, which
+  // the max may have skipped): one compare per vector, no extra pass over the row.
+  // exp(t) * t is taken with t floored at -88: a -inf logit has exp(t) = 0, and 0 * -inf would be NaN.
+  using I = typename Vec<W>::i;
   const F it = splat<F>(inv_t);
   const F mv = splat<F>(mx);
+  const F floor = splat<F>(-88.0f);
   F s = {}, q = {};
+  I nan = {};
   if (with_entropy) {
     for (j = 0; j < body; j += W) {
       const F t = IO::load(row + j) * it - mv;
       const F e = vexp<W>(t);
+      nan |= t != t;
       s += e;
-      q += e * t;
+      q += e * vmax<W>(t, floor);
     }
   } else {
-    for (j = 0; j < body; j += W) s += vexp<W>(IO::load(row + j) * it - mv);
+    for (j = 0; j < body; j += W) {
+      const F t = IO::load(row + j) * it - mv;
+      nan |= t != t;
+      s += vexp<W>(t);
+    }
   }
   if (rest) {
-    const typename Vec<W>::i valid = lanes_below<W>(rest);
+    const I valid = lanes_below<W>(rest);
     const F t = select<W>(valid, load_tail<IO, W>(row + body, rest, row[0]) * it - mv, splat<F>(0.0f));
     const F e = select<W>(valid, vexp<W>(t), splat<F>(0.0f));
+    nan |= t != t;
     s += e;
-    q += e * t;
+    q += e * vmax<W>(t, floor);
   }
-  return {mx, hsum<W>(s), with_entropy ? hsum<W>(q) : 0.0f};
+  // A non-finite max catches the rest: every entry -inf, a +inf, or an overflow of z * inv_t (with fused
+  // multiply-adds, t = fma(z, inv_t, -inf) is -inf rather than NaN there).
+  bool finite = std::isfinite(mx);
+  for (int l = 0; l < W; ++l) finite = finite && nan[l] == 0;
+  return {mx, hsum<W>(s), with_entropy ? hsum<W>(q) : 0.0f, finite};
 }
 
-// Without an entropy gradient (b == 0) the b * u term is left out, not multiplied by zero: u is -inf
-// for a -inf logit, where p = 0 and the gradient must be 0, not NaN.
+// Without an entropy gradient (b == 0) the b * u term is left out, not multiplied by zero. With it, u is
+// floored at -88 inside that term: u is -inf for a -inf logit, where p = 0 and the gradient must be 0, not
+// 0 * -inf = NaN (below -87 exp is flushed to 0, so the floor changes no other value).
 template <int W, bool kWithEntropy>
 OL_INLINE typename Vec<W>::f grad_lanes(typename Vec<W>::f z, typename Vec<W>::f inv_t, typename Vec<W>::f max,
                                         typename Vec<W>::f log_sum, typename Vec<W>::f a, typename Vec<W>::f b) {
-  const typename Vec<W>::f u = (z * inv_t - max) - log_sum;
-  return kWithEntropy ? -vexp<W>(u) * (a + b * u) : -vexp<W>(u) * a;
+  using F = typename Vec<W>::f;
+  const F u = (z * inv_t - max) - log_sum;
+  return kWithEntropy ? -vexp<W>(u) * (a + b * vmax<W>(u, splat<F>(-88.0f))) : -vexp<W>(u) * a;
 }
 
 template <class IO, int W, bool kWithEntropy>
@@ -263,14 +282,19 @@ OL_DEFINE_KERNELS(avx2, __attribute__((target("avx2,fma"))), 8)
 OL_DEFINE_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))), 16)
 #endif
 
-// OPENRLHF_LOPTI_CPU_ISA=generic|avx2|avx512 caps the level (tests use it to run every code path).
+// OPENRLHF_LOPTI_CPU_ISA=generic|avx2|avx512 caps the level (tests use it to run every code path); unset
+// or empty means no cap, anything else is an error rather than silently ignored.
 const Kernels& select_kernels() {
   const char* cap = std::getenv("OPENRLHF_LOPTI_CPU_ISA");
-  const auto allowed = [cap](const char* name) {
-    if (cap == nullptr || *cap == '\0') return true;
+  const bool uncapped = cap == nullptr || *cap == '\0' || std::strcmp(cap, "avx512") == 0;
+  if (!uncapped && std::strcmp(cap, "generic") != 0 && std::strcmp(cap, "avx2") != 0) {
+    throw std::invalid_argument(std::string("OPENRLHF_LOPTI_CPU_ISA must be one of generic, avx2, avx512 "
+                                            "(or unset for the best this CPU supports), got '") + cap + "'");
+  }
+  const auto allowed = [cap, uncapped](const char* name) {
+    if (uncapped) return true;
     if (std::strcmp(cap, "generic") == 0) return false;
-    if (std::strcmp(cap, "avx2") == 0) return std::strcmp(name, "avx2") == 0;
-    return true;
+    return std::strcmp(name, "avx2") == 0;  // cap == "avx2"
   };
 #if defined(OL_HAS_X86_LEVELS)
   __builtin_cpu_init();

@@ -17,11 +17,14 @@ enum class RowDtype { kFloat32, kBFloat16 };
 //   max     = max_j z'_j
 //   sum_exp = sum_j exp(t_j),        t_j = z'_j - max
 //   sum_exp_t = sum_j exp(t_j) * t_j  (only when with_entropy; else 0)
-// so log-sum-exp = max + log(sum_exp) and entropy = log(sum_exp) - sum_exp_t / sum_exp.
+// so log-sum-exp = max + log(sum_exp) and entropy = log(sum_exp) - sum_exp_t / sum_exp. A -inf entry has
+// exp(t) = 0 and adds exactly 0 to both sums. `finite` is false when the log-sum-exp is not finite: some
+// z' is NaN or +inf, or every z' is -inf (found by the passes that compute the max and the sums).
 struct RowSoftmaxStats {
   float max;
   float sum_exp;
   float sum_exp_t;
+  bool finite;
 };
 
 // `row` points at `v` elements of `dtype` (contiguous); inv_t = 1 / temperature (> 0).
@@ -34,7 +37,8 @@ void row_softmax_grad(
     RowDtype dtype, const void* row, int64_t v, float inv_t, float max, float log_sum, float a, float b,
     void* out);
 
-// Name of the instruction set the kernels run with: "avx512", "avx2" or "generic".
+// Name of the instruction set the kernels run with: "avx512", "avx2" or "generic". The first call picks it
+// (reading OPENRLHF_LOPTI_CPU_ISA); an unknown value of that variable throws std::invalid_argument.
 const char* row_kernels_isa();
 
 }  // namespace openrlhf_lopti

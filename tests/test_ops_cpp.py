@@ -103,6 +103,35 @@ def test_every_isa_level_matches_reference(isa):
     assert got == "generic" if isa == "generic" else got in ("avx2", "generic")
 
 
+def test_unknown_isa_cap_is_an_error_naming_the_variable():
+    # An unknown OPENRLHF_LOPTI_CPU_ISA used to be ignored silently (the best level ran): now every kernel
+    # call, and cpp_isa(), raise a ValueError naming the variable and its allowed values.
+    script = textwrap.dedent(
+        """
+        import torch
+        from openrlhf_lopti.ops import fused_policy_loss
+        from openrlhf_lopti.ops.cpp_policy_loss import cpp_isa
+        from tests.kernel_cases import Case, make_inputs, options
+        case = Case(n=4, v=16)
+        for call in (cpp_isa, lambda: fused_policy_loss(**make_inputs(case), **options(case), backend="cpp")):
+            try:
+                call()
+            except ValueError as exc:
+                print("ValueError:", exc)
+            else:
+                print("no error")
+        """
+    )
+    env = dict(os.environ, OPENRLHF_LOPTI_CPU_ISA="avx9000")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2, proc.stdout
+    for line in lines:
+        assert line.startswith("ValueError: OPENRLHF_LOPTI_CPU_ISA must be one of generic, avx2, avx512"), line
+        assert "got 'avx9000'" in line, line
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -199,19 +199,20 @@ def test_all_masked_batch_with_padding_garbage_is_zero(backend):
 
 
 class _Spy:
-    """Stands in for a backend: records the call and returns a marker."""
+    """Stands in for a backend: records the call and returns a marker (with no bad-row flags for a kernel)."""
 
-    def __init__(self):
+    def __init__(self, kernel: bool):
         self.calls = []
+        self.kernel = kernel
 
     def __call__(self, *args, **kwargs):
         self.calls.append((args, kwargs))
-        return "spy-result"
+        return ("spy-result", torch.zeros(0, dtype=torch.bool)) if self.kernel else "spy-result"
 
 
 @pytest.fixture
 def spies(monkeypatch):
-    spies = {"torch": _Spy(), "triton": _Spy(), "cpp": _Spy()}
+    spies = {"torch": _Spy(kernel=False), "triton": _Spy(kernel=True), "cpp": _Spy(kernel=True)}
     monkeypatch.setattr(fused_module, "policy_loss_from_logits", spies["torch"])
     monkeypatch.setattr(triton_module, "triton_policy_loss", spies["triton"])
     monkeypatch.setattr(cpp_module, "cpp_policy_loss", spies["cpp"])

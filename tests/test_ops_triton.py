@@ -284,7 +284,7 @@ fwd_variants = [
 ]
 for logits, consts, warps in fwd_variants:
     sig = signature(k._policy_loss_fwd_kernel, logits_ptr=logits, labels_ptr="*i64", keep_ptr="*i8",
-                    clipped_ptr="*i8")
+                    clipped_ptr="*i8", bad_rows_ptr="*i8")
     consts = dict(consts, LOG_RATIO_MAX=20.0, KL_MAX=10.0)
     src = ASTSource(fn=k._policy_loss_fwd_kernel, signature=sig, constexprs=consts)
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]

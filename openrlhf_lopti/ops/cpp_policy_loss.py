@@ -15,7 +15,7 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -75,7 +75,8 @@ def _register_fakes() -> None:
         n = logits.shape[0]
         new = old_log_probs.new_empty
         clipped = torch.empty(n, dtype=torch.bool, device=logits.device)
-        return new(n), new(n), new(n), clipped, new(n if return_entropy else 0), new((n, 4))
+        bad_rows = torch.empty(n, dtype=torch.bool, device=logits.device)
+        return new(n), new(n), new(n), clipped, new(n if return_entropy else 0), new((n, 4)), bad_rows
 
     @torch.library.register_fake("openrlhf_lopti::policy_loss_bwd")
     def _bwd_fake(logits, labels, mask, stats, grad_loss, grad_logp, grad_entropy, temperature):
@@ -126,7 +127,8 @@ def cpp_available() -> bool:
 def cpp_isa() -> str:
     """The instruction set the C++ kernel runs with here: ``"avx512"``, ``"avx2"`` or ``"generic"``.
 
-    ``OPENRLHF_LOPTI_CPU_ISA=generic|avx2`` (read once, at the first kernel call) caps it.
+    ``OPENRLHF_LOPTI_CPU_ISA=generic|avx2|avx512`` (read once, at the first kernel call) caps it; any other
+    non-empty value makes that call (and every kernel call) raise a ``ValueError`` naming the variable.
     """
     _require()
     return torch.ops.openrlhf_lopti.cpu_isa()
@@ -138,24 +140,26 @@ def _require() -> None:
 
 
 class _CppPolicyLoss(torch.autograd.Function):
-    """Forward keeps logits (no copy) and fp32 [N, 4] row statistics; backward recomputes the softmax."""
+    """Forward keeps logits (no copy) and fp32 [N, 4] row statistics; backward recomputes the softmax.
+
+    Also returns the op's ``bad_rows`` flags (non-differentiable) for the caller to check."""
 
     @staticmethod
     def forward(ctx, logits, labels, old_log_probs, advantages, mask, ref_log_probs, alpha, eps_low, eps_high,
                 dual_clip, kl_coef, kl_estimator, temperature, return_entropy):  # fmt: skip
-        loss, logp, kl, clipped, entropy, stats = torch.ops.openrlhf_lopti.policy_loss_fwd(
+        loss, logp, kl, clipped, entropy, stats, bad_rows = torch.ops.openrlhf_lopti.policy_loss_fwd(
             logits, labels, old_log_probs, advantages, mask, ref_log_probs,
             alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, return_entropy,
         )  # fmt: skip
         ctx.save_for_backward(logits, labels, mask, stats)
         ctx.temperature = temperature
-        ctx.mark_non_differentiable(kl, clipped)
+        ctx.mark_non_differentiable(kl, clipped, bad_rows)
         ctx.set_materialize_grads(False)  # unused outputs give None, and the kernel skips their terms
-        return loss, logp, kl, clipped, entropy
+        return loss, logp, kl, clipped, entropy, bad_rows
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_loss, grad_logp, _grad_kl, _grad_clipped, grad_entropy):
+    def backward(ctx, grad_loss, grad_logp, _grad_kl, _grad_clipped, grad_entropy, _grad_bad_rows):
         if grad_loss is None and grad_logp is None and grad_entropy is None:
             return (None,) * 14
         logits, labels, mask, stats = ctx.saved_tensors
@@ -181,7 +185,7 @@ def cpp_policy_loss(
     kl_estimator: str = "k3",
     temperature: float = 1.0,
     return_entropy: bool = False,
-) -> PolicyLossOutput:
+) -> Tuple[PolicyLossOutput, torch.Tensor]:
     """The ``"cpp"`` backend of :func:`openrlhf_lopti.ops.fused_policy_loss` (inputs already validated there).
 
     Args:
@@ -192,12 +196,15 @@ def cpp_policy_loss(
             ``fused_policy_loss``.
 
     Returns:
-        :class:`~openrlhf_lopti.algo.PolicyLossOutput` of fp32 ``[N]`` fields (``clipped`` bool); masked rows
-        are 0 everywhere with zero gradient. The gradient to ``logits`` (in its dtype) comes from ``loss``,
-        ``logp`` and ``entropy``; ``kl`` and ``clipped`` are detached.
+        ``(out, bad_rows)``: ``out`` a :class:`~openrlhf_lopti.algo.PolicyLossOutput` of fp32 ``[N]`` fields
+        (``clipped`` bool); masked rows are 0 everywhere with zero gradient. The gradient to ``logits`` (in its
+        dtype) comes from ``loss``, ``logp`` and ``entropy``; ``kl`` and ``clipped`` are detached.
+        ``bad_rows`` is ``[N]`` bool, True on kept rows without a finite log-sum-exp (NaN / +inf, or all -inf),
+        whose outputs are meaningless: pass it to :func:`openrlhf_lopti.algo.policy_loss.check_logit_rows`
+        before using ``out`` (``fused_policy_loss`` does).
 
     Raises:
-        ValueError: ``logits`` not on the CPU.
+        ValueError: ``logits`` not on the CPU, or a bad ``OPENRLHF_LOPTI_CPU_ISA``.
         RuntimeError: the kernel could not be loaded or built (see :func:`cpp_available`).
     """
     if logits.device.type != "cpu":
@@ -205,7 +212,7 @@ def cpp_policy_loss(
     _require()
     if logits.shape[1] > 1 and logits.stride(1) != 1:
         logits = logits.contiguous()
-    loss, logp, kl, clipped, entropy = _CppPolicyLoss.apply(
+    loss, logp, kl, clipped, entropy, bad_rows = _CppPolicyLoss.apply(
         logits,
         labels.detach().long().contiguous(),
         old_log_probs.detach().float().contiguous(),
@@ -221,4 +228,5 @@ def cpp_policy_loss(
         float(temperature),
         bool(return_entropy),
     )
-    return PolicyLossOutput(loss=loss, logp=logp, kl=kl, clipped=clipped, entropy=entropy if return_entropy else None)
+    out = PolicyLossOutput(loss=loss, logp=logp, kl=kl, clipped=clipped, entropy=entropy if return_entropy else None)
+    return out, bad_rows

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from ..algo import KL_ESTIMATORS, PolicyLossOutput, check_alpha, policy_loss_from_logits
+from ..algo.policy_loss import check_logit_rows
 
 BACKENDS = ("auto", "triton", "cpp", "torch")
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -183,7 +184,11 @@ def fused_policy_loss(
 
     Raises:
         ValueError: naming the argument, for any bad shape, device, dtype, id or non-finite value,
-            before anything is launched.
+            before anything is launched. And after the forward, before anything is returned: naming the
+            first unmasked ``logits`` row that holds a NaN or +inf, or only -inf (-inf alone is legal and
+            exact: probability 0, zero gradient). Each backend flags such rows in the pass it already makes
+            over every row; reading the flags costs one device-to-host sync, on top of the one the input
+            checks pay.
     """
     _check_inputs(
         logits, labels, old_log_probs, advantages, mask, ref_log_probs,
@@ -201,12 +206,12 @@ def fused_policy_loss(
         return_entropy=return_entropy,
     )
     chosen = _resolve_backend(backend, logits)
-    if chosen == "torch":
+    if chosen == "torch":  # the reference checks its rows itself (same check, same message)
         return policy_loss_from_logits(logits, labels, old_log_probs, advantages, mask, **options)
     if chosen == "triton":
-        from .triton import triton_policy_loss
-
-        return triton_policy_loss(logits, labels, old_log_probs, advantages, mask, **options)
-    from .cpp_policy_loss import cpp_policy_loss
-
-    return cpp_policy_loss(logits, labels, old_log_probs, advantages, mask, **options)
+        from .triton import triton_policy_loss as run
+    else:
+        from .cpp_policy_loss import cpp_policy_loss as run
+    out, bad_rows = run(logits, labels, old_log_probs, advantages, mask, **options)
+    check_logit_rows(bad_rows, logits, options["temperature"])  # the host sync after the forward
+    return out

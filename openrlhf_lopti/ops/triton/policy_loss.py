@@ -14,6 +14,10 @@ Backward recomputes ``p = exp(z / T - lse)`` block by block and writes, per kept
 
 in the logits' dtype; masked rows are never read and get zeros.
 
+-inf logits are exact (probability 0, no entropy term, zero gradient), as the reference defines them; the
+forward also writes an int8 ``bad_rows`` flag per row, set on kept rows whose log-sum-exp is not finite (a NaN
+or +inf logit, or only -inf), from the same online pass, for the caller to raise on.
+
 Gradient of the surrogate w.r.t. ``logp`` (matches torch's autograd of the reference):
 ``-A' * ratio`` when the log ratio is inside the +-20 clamp, the unclipped branch is active
 (``ratio`` in ``[1 - eps_low, 1 + eps_high]`` or ``surr1 < surr2``) and the dual clip does not bind;
@@ -21,7 +25,7 @@ Gradient of the surrogate w.r.t. ``logp`` (matches torch's autograd of the refer
 """
 
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -64,6 +68,7 @@ def _policy_loss_fwd_kernel(
     row_max_ptr,
     log_sum_ptr,
     dloss_dlogp_ptr,
+    bad_rows_ptr,
     n_rows,
     n_cols,
     inv_temperature,  # 1 / T: a multiply per element instead of a (slow, exact) fp32 division
@@ -96,16 +101,22 @@ def _policy_loss_fwd_kernel(
                 valid = cols < n_cols
                 z = tl.load(row_ptr + cols, mask=valid, other=-float("inf")).to(tl.float32) * inv_temperature
                 m_new = tl.maximum(m, tl.max(z, axis=0))
-                scale = tl.exp(m - m_new)
-                e = tl.exp(z - m_new)
+                # Shift by 0 while every entry so far is -inf (padding, or -inf logits), so that no
+                # exp(-inf - -inf) = NaN appears: those entries add exp(-inf) = 0.
+                m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+                scale = tl.exp(m - m_ref)
+                e = tl.exp(z - m_ref)
                 if WITH_ENTROPY:
-                    # Written so that no NaN appears: m is -inf (and s 0) before the first block, and
-                    # padding lanes hold z = -inf.
-                    shift = tl.where(s > 0.0, m - m_new, 0.0) * s
-                    t = scale * (t + shift) + tl.sum(e * tl.where(valid, z - m_new, 0.0), axis=0)
+                    # Written so that no NaN appears: m is -inf (and s 0) before the first finite entry, and
+                    # e * (z - m_ref) is 0, not 0 * -inf, where z = -inf (a -inf logit or a padding lane).
+                    shift = tl.where(s > 0.0, m - m_ref, 0.0) * s
+                    t = scale * (t + shift) + tl.sum(e * tl.where(e > 0.0, z - m_ref, 0.0), axis=0)
                 s = s * scale + tl.sum(e, axis=0)
                 m = m_new
             log_s = tl.log(s)
+            # NaN / +inf anywhere make s NaN (or m +inf); all -inf leaves m + log_s = -inf.
+            lse_finite = tl.abs(m + log_s) < float("inf")
+            tl.store(bad_rows_ptr + row, (lse_finite == 0).to(tl.int8))
 
             label = tl.load(labels_ptr + row).to(tl.int64)
             logp = (tl.load(row_ptr + label).to(tl.float32) * inv_temperature - m) - log_s
@@ -198,7 +209,8 @@ def _policy_loss_bwd_kernel(
                 p = tl.exp(log_p)
                 d = tl.where(cols == label, g, 0.0) - g * p
                 if WITH_ENTROPY_GRAD:
-                    d = d - g_ent * p * (log_p + entropy)
+                    # p = 0 (a -inf logit) contributes 0, not 0 * (log_p = -inf)
+                    d = d - g_ent * p * tl.where(p > 0.0, log_p + entropy, 0.0)
                 tl.store(grad_row + cols, (d * inv_temperature).to(grad_ptr.dtype.element_ty), mask=valid)
         else:
             # The gradient buffer comes from torch.empty: masked rows get explicit zeros, reads skipped.
@@ -229,7 +241,8 @@ def _launch_config(n_rows: int, n_cols: int) -> dict:
 
 
 class _TritonPolicyLoss(torch.autograd.Function):
-    """Autograd wrapper: forward kernel, then the backward kernel from the saved per-row vectors."""
+    """Autograd wrapper: forward kernel, then the backward kernel from the saved per-row vectors. Also returns
+    the forward's ``bad_rows`` flags (non-differentiable) for the caller to check."""
 
     @staticmethod
     def forward(ctx, logits, labels, old_log_probs, advantages, keep, ref_log_probs, options):
@@ -239,12 +252,13 @@ class _TritonPolicyLoss(torch.autograd.Function):
         zeros = lambda: torch.zeros(n_rows, dtype=torch.float32, device=device)  # noqa: E731
         loss, logp, kl, entropy, row_max, log_sum, dloss_dlogp = (zeros() for _ in range(7))
         clipped = torch.zeros(n_rows, dtype=torch.int8, device=device)
+        bad_rows = torch.zeros(n_rows, dtype=torch.int8, device=device)
         kl_mode = 0 if ref_log_probs is None else KL_MODES[options["kl_estimator"]]
         if n_rows > 0:
             _policy_loss_fwd_kernel[config["grid"]](
                 logits, logits.stride(0), labels, old_log_probs, advantages, keep,
                 ref_log_probs if ref_log_probs is not None else old_log_probs,  # unread when KL_MODE == 0
-                loss, logp, kl, clipped, entropy, row_max, log_sum, dloss_dlogp,
+                loss, logp, kl, clipped, entropy, row_max, log_sum, dloss_dlogp, bad_rows,
                 n_rows, n_cols,
                 1.0 / options["temperature"], options["alpha"], 1.0 - options["eps_low"], 1.0 + options["eps_high"],
                 options["dual_clip"] if options["dual_clip"] is not None else 0.0, options["kl_coef"],
@@ -256,14 +270,14 @@ class _TritonPolicyLoss(torch.autograd.Function):
         ctx.inv_temperature = 1.0 / options["temperature"]
         ctx.with_entropy = options["return_entropy"]
         ctx.set_materialize_grads(False)
-        clipped = clipped.bool()
-        ctx.mark_non_differentiable(kl, clipped)
+        clipped, bad_rows = clipped.bool(), bad_rows.bool()
+        ctx.mark_non_differentiable(kl, clipped, bad_rows)
         if not options["return_entropy"]:
             ctx.mark_non_differentiable(entropy)
-        return loss, logp, kl, clipped, entropy
+        return loss, logp, kl, clipped, entropy, bad_rows
 
     @staticmethod
-    def backward(ctx, g_loss, g_logp, g_kl, g_clipped, g_entropy):
+    def backward(ctx, g_loss, g_logp, g_kl, g_clipped, g_entropy, g_bad_rows):
         if not ctx.needs_input_grad[0]:
             return (None,) * 7
         logits, labels, keep, row_max, log_sum, dloss_dlogp, entropy = ctx.saved_tensors
@@ -304,7 +318,7 @@ def triton_policy_loss(
     kl_estimator: str = "k3",
     temperature: float = 1.0,
     return_entropy: bool = False,
-) -> PolicyLossOutput:
+) -> Tuple[PolicyLossOutput, torch.Tensor]:
     """The Triton backend of :func:`openrlhf_lopti.ops.fused_policy_loss` (inputs already validated there).
 
     Args:
@@ -317,9 +331,12 @@ def triton_policy_loss(
         Other options as in :func:`openrlhf_lopti.algo.policy_loss_from_logits`.
 
     Returns:
-        :class:`PolicyLossOutput` with fp32 ``[N]`` ``loss``, ``logp``, ``kl``, bool ``clipped`` and
-        ``entropy`` (or None); gradients reach ``logits`` through ``loss``, ``logp`` and ``entropy``
-        and come back in the logits' dtype.
+        ``(out, bad_rows)``: ``out`` a :class:`PolicyLossOutput` with fp32 ``[N]`` ``loss``, ``logp``, ``kl``,
+        bool ``clipped`` and ``entropy`` (or None); gradients reach ``logits`` through ``loss``, ``logp`` and
+        ``entropy`` and come back in the logits' dtype. ``bad_rows`` is ``[N]`` bool on the logits' device,
+        True on kept rows without a finite log-sum-exp (NaN / +inf, or all -inf), whose outputs are
+        meaningless: pass it to :func:`openrlhf_lopti.algo.policy_loss.check_logit_rows` before using
+        ``out`` (``fused_policy_loss`` does).
 
     Raises:
         RuntimeError: CPU tensors while the kernels were not defined in interpreter mode.
@@ -336,7 +353,7 @@ def triton_policy_loss(
         alpha=alpha, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, kl_coef=kl_coef,
         kl_estimator=kl_estimator, temperature=temperature, return_entropy=return_entropy,
     )  # fmt: skip
-    loss, logp, kl, clipped, entropy = _TritonPolicyLoss.apply(
+    loss, logp, kl, clipped, entropy, bad_rows = _TritonPolicyLoss.apply(
         logits,
         labels.contiguous(),
         fp32(old_log_probs),
@@ -345,6 +362,5 @@ def triton_policy_loss(
         None if ref_log_probs is None else fp32(ref_log_probs),
         options,
     )
-    return PolicyLossOutput(
-        loss=loss, logp=logp, kl=kl, clipped=clipped, entropy=entropy if return_entropy else None
-    )
+    out = PolicyLossOutput(loss=loss, logp=logp, kl=kl, clipped=clipped, entropy=entropy if return_entropy else None)
+    return out, bad_rows
