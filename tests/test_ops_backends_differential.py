@@ -7,6 +7,7 @@ the "columns removed" definition in ``tests/test_algo_policy_loss.py``.
 Triton runs in interpreter mode without a GPU (tests/conftest.py): shapes stay tiny.
 """
 
+import functools
 import os
 from unittest import mock
 
@@ -39,7 +40,7 @@ def _run(backend: str, inputs: dict, opts: dict, upstream: dict):
     device = "cpu" if backend == "reference" else _device(backend)
     on = {k: (v.to(device) if v is not None else None) for k, v in inputs.items()}
     logits = on.pop("logits").detach().clone().requires_grad_(True)
-    fn = policy_loss_from_logits if backend == "reference" else lambda *a, **k: fused_policy_loss(*a, **k, backend=backend)
+    fn = policy_loss_from_logits if backend == "reference" else functools.partial(fused_policy_loss, backend=backend)
     try:
         out = fn(logits, on["labels"], on["old_log_probs"], on["advantages"], on["mask"],
                  ref_log_probs=on["ref_log_probs"], **opts)  # fmt: skip

@@ -1,6 +1,7 @@
 """``fused_policy_loss`` itself: every bad argument is a ValueError naming it, raised before any backend runs;
 an all-masked batch is all zeros (value and gradient, never NaN) on every backend; the backend dispatch."""
 
+import functools
 import importlib
 import math
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ import torch
 
 import openrlhf_lopti.ops.cpp_policy_loss as cpp_module
 import openrlhf_lopti.ops.triton as triton_module
+from openrlhf_lopti.algo import policy_loss_from_logits
 from openrlhf_lopti.ops import fused_policy_loss
 
 # The package re-exports the function under the module's name, so fetch the module itself.
@@ -48,6 +50,13 @@ def _with(name: str, row: int, value: float) -> torch.Tensor:
     return tensor
 
 
+def _with_double(name: str, row: int, value: float) -> torch.Tensor:
+    """A float64 copy with ``value`` at ``row``: finite in float64, but not once rounded to float32."""
+    tensor = _good()[name].double()
+    tensor[row] = value
+    return tensor
+
+
 meta = torch.device("meta")  # a second device that exists on every machine
 BAD_INPUTS = {
     # argument -> list of (overrides, a fragment the message must contain)
@@ -76,6 +85,7 @@ BAD_INPUTS = {
         dict(old_log_probs=torch.zeros(N, dtype=torch.long)),
         dict(old_log_probs=_with("old_log_probs", 0, float("nan"))),
         dict(old_log_probs=_with("old_log_probs", 5, -float("inf"))),
+        dict(old_log_probs=_with_double("old_log_probs", 2, -1e300)),
     ],
     "advantages": [
         dict(advantages=torch.zeros(2 * N)),
@@ -83,6 +93,7 @@ BAD_INPUTS = {
         dict(advantages=torch.zeros(N, dtype=torch.int32)),
         dict(advantages=_with("advantages", 1, float("nan"))),
         dict(advantages=_with("advantages", 4, float("inf"))),
+        dict(advantages=_with_double("advantages", 0, 1e300)),
     ],
     "mask": [
         dict(mask=torch.ones(N + 2, dtype=torch.bool)),
@@ -95,6 +106,7 @@ BAD_INPUTS = {
         dict(ref_log_probs=torch.zeros(N, device=meta)),
         dict(ref_log_probs=torch.zeros(N, dtype=torch.long)),
         dict(ref_log_probs=_with("ref_log_probs", 3, float("nan"))),
+        dict(ref_log_probs=_with_double("ref_log_probs", 1, -1e300)),
         dict(ref_log_probs=None, kl_coef=0.1),
     ],
     "alpha": [dict(alpha=-0.1), dict(alpha=1.5), dict(alpha=float("nan")), dict(alpha="0.3x")],
@@ -145,6 +157,27 @@ def test_garbage_on_masked_rows_is_accepted():
         args[name] = args[name].masked_fill(~keep, value)
     out = _call(args)
     assert torch.all(torch.isfinite(out.loss)) and torch.all(out.loss[~keep] == 0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpp"])
+def test_float64_per_token_inputs_are_read_as_float32(backend):
+    """old_log_probs / advantages / ref_log_probs of any float dtype are accepted and rounded to float32 first,
+    the precision of the whole loss (as the reference does): float64 gives the float32 inputs' results."""
+    case = Case(n=12, v=30, alpha=0.3, kl="k3", entropy=True, seed=2)
+    inputs = make_inputs(case)
+    results = []
+    for cast in (torch.float64, torch.float32):
+        vectors = {k: inputs[k].to(cast) for k in ("old_log_probs", "advantages", "ref_log_probs")}
+        logits = inputs["logits"].clone().requires_grad_(True)
+        fn = policy_loss_from_logits if cast == torch.float32 else functools.partial(fused_policy_loss, backend=backend)
+        out = fn(logits, inputs["labels"], mask=inputs["mask"], **vectors, **options(case))
+        (out.loss.sum() + out.entropy.sum()).backward()
+        results.append((out, logits.grad))
+    (got, got_grad), (want, want_grad) = results
+    for name in ("loss", "logp", "kl", "entropy"):
+        assert getattr(got, name).dtype == torch.float32
+        torch.testing.assert_close(getattr(got, name), getattr(want, name).detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
 
 
 def _backends() -> list:

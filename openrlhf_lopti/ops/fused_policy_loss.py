@@ -106,21 +106,24 @@ def _check_row_inputs(
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
-    # Value checks on the rows that will be computed; one host sync for all of them.
+    # Value checks on the rows that will be computed; one host sync for all of them. Float vectors of any
+    # dtype are accepted and every backend rounds them to float32 first, so finiteness is checked there
+    # (a float64 1e300 is finite, its float32 is not).
     keep = mask.bool()
     bad = torch.stack(
         [
             (keep & ((labels < 0) | (labels >= v))).any(),
-            (keep & ~torch.isfinite(old_log_probs)).any(),
-            (keep & ~torch.isfinite(advantages)).any(),
-            (keep & ~torch.isfinite(ref_log_probs)).any() if ref_log_probs is not None else keep.new_zeros(()),
+            (keep & ~torch.isfinite(old_log_probs.float())).any(),
+            (keep & ~torch.isfinite(advantages.float())).any(),
+            (keep & ~torch.isfinite(ref_log_probs.float())).any() if ref_log_probs is not None else keep.new_zeros(()),
         ]
     ).tolist()
+    in_fp32 = "on unmasked rows (as float32, the precision of the loss)"
     messages = [
         f"labels must be token ids in [0, V) = [0, {v}) on unmasked rows",
-        "old_log_probs must be finite on unmasked rows",
-        "advantages must be finite on unmasked rows",
-        "ref_log_probs must be finite on unmasked rows",
+        f"old_log_probs must be finite {in_fp32}",
+        f"advantages must be finite {in_fp32}",
+        f"ref_log_probs must be finite {in_fp32}",
     ]
     for is_bad, message in zip(bad, messages):
         if is_bad:
@@ -164,6 +167,8 @@ def fused_policy_loss(
             dtype; the triton/cpp backends never make an fp32 ``[N, V]`` copy.
         labels: ``[N]`` integer token ids, in ``[0, V)`` wherever ``mask`` is set.
         old_log_probs: ``[N]`` rollout-policy log-probs of ``labels`` (nats): the PPO anchor and the AR ``p``.
+            This and the other float ``[N]`` inputs may have any float dtype (float64 included): every backend
+            rounds them to float32 first, the precision the loss is computed in.
         advantages: ``[N]`` per-token advantages (already zeroed outside a Lopti phase if one is active).
         mask: ``[N]`` bool or 0/1; rows with 0 are skipped: every output is 0 there and no gradient flows.
         ref_log_probs: ``[N]`` reference-policy log-probs, needed when ``kl_coef != 0``.
