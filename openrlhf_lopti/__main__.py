@@ -1,12 +1,17 @@
 """``openrlhf-lopti <command>`` / ``python -m openrlhf_lopti <command>``.
 
-Each command lives in its own module and is imported only when run, so ``--help`` stays fast.
+Each command lives in its own module and is imported only when run, so ``--help`` stays fast. A user error
+(a bad flag, file, row or folder) is one line on stderr and exit code 2; ``--debug`` shows its traceback
+(:mod:`openrlhf_lopti.errors`).
 """
 
 import importlib
 import os
 import sys
+import warnings
 from typing import Optional
+
+from .errors import DEBUG_FLAG, UserError, run_command
 
 # command -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS = {
@@ -22,26 +27,33 @@ COMMANDS = {
 def usage() -> str:
     lines = ["usage: openrlhf-lopti <command> [options]", "", "commands:"]
     lines += [f"  {name:<7} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "`openrlhf-lopti <command> --help` shows a command's options."]
+    lines += ["", "`openrlhf-lopti <command> --help` shows a command's options; "
+              f"`{DEBUG_FLAG}` shows the traceback of an error."]  # fmt: skip
     return "\n".join(lines)
 
 
 def main(argv: Optional[list] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    words = [a for a in argv if a != DEBUG_FLAG]
+    if not words or words[0] in ("-h", "--help"):
         print(usage())
         return 0
-    name, rest = argv[0], argv[1:]
+    prog = f"openrlhf-lopti {words[0]}" if words[0] in COMMANDS else "openrlhf-lopti"
+    # torch's own import warns about the pynvml package on every run; it is not the user's to fix
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
+    return run_command(prog, _run, argv)
+
+
+def _run(argv: list) -> int:
+    name, rest = (argv[0], argv[1:]) if argv else ("", [])
     if name not in COMMANDS:
-        print(f"openrlhf-lopti: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
-        return 2
+        raise UserError(f"unknown command {name!r}: use one of {', '.join(COMMANDS)} (see `openrlhf-lopti --help`)")
     module_name = COMMANDS[name][0]
     if module_name.startswith("benchmarks."):
         # benchmarks/ sits beside the package in a source checkout and is not installed with it.
         repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         if not os.path.isdir(os.path.join(repo_root, "benchmarks")):
-            print("openrlhf-lopti: `bench` needs a source checkout (benchmarks/ beside the package)", file=sys.stderr)
-            return 2
+            raise UserError("`bench` needs a source checkout (benchmarks/ beside the package)")
         sys.path.insert(0, repo_root)
     module = importlib.import_module(module_name)
     return int(module.main(rest) or 0)

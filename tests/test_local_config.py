@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from openrlhf_lopti.local.advantages import grpo_advantages, reinforce_pp_advantages
-from openrlhf_lopti.local.config import METHODS, TrainConfig, method_settings
+from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig, method_settings
 
 
 def make(**kw):
@@ -14,17 +14,23 @@ def make(**kw):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("alpha", 1.5), ("eta", 0.0), ("lopti_order", "sideways"), ("lopti_quantile", 1.0), ("steps", 0),
+        ("alpha", 1.5), ("eta", -0.1), ("lopti_order", "sideways"), ("lopti_quantile", 1.0), ("steps", 0),
         ("n_samples", 1), ("people", [1]), ("temperature", 0.0), ("lr", float("nan")), ("grad_clip", -1.0),
         ("eps_low", 1.0), ("kl_estimator", "k4"), ("dtype", "float16"), ("loss_backend", "cuda"),
         ("estimator", "ppo"), ("micro_batch_size", -1), ("prompt_style", "fancy"),
     ],
 )  # fmt: skip
 def test_bad_values_raise_naming_the_field(field, value):
-    # algo's checks name Lopti's arguments as lopti_phases does: "order", "quantile"
-    name = {"lopti_order": "order", "lopti_quantile": "quantile"}.get(field, field)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ConfigError, match=f"^{field} ") as err:
         make(**{field: value})
+    assert err.value.field == field  # the CLI turns it into the field's flag
+
+
+def test_eta_zero_means_lopti_off_as_in_the_openrlhf_cli():
+    assert make(eta=0.0).lopti is False  # accepted: Lopti is off anyway
+    with pytest.raises(ConfigError, match="eta 0 means Lopti off") as err:
+        make(eta=0.0, lopti=True)
+    assert err.value.field == "eta"
 
 
 def test_presets_and_method_names():

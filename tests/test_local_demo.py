@@ -28,7 +28,7 @@ def test_demo_end_to_end(tmp_path, capsys):
 
     # a second run into the same directory is refused; --resume finds everything done
     assert cli_main(["demo", "--out", str(out), *TINY]) == 2
-    assert "not empty" in capsys.readouterr().err
+    assert "holds outputs of an earlier run" in capsys.readouterr().err
     assert cli_main(["demo", "--out", str(out), "--resume", *TINY]) == 0
     assert "reusing the warm-up model" in capsys.readouterr().out
     for method in METHODS:

@@ -9,6 +9,8 @@ from openrlhf_lopti.local.checkpoint import CHECKPOINT_FILE, load_checkpoint, sa
 from openrlhf_lopti.local.cli import build_parser, config_from_args
 from openrlhf_lopti.local.config import TrainConfig
 from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer, load_model, save_model
+from openrlhf_lopti.errors import UserError
+from openrlhf_lopti.local import trainer as trainer_module
 from openrlhf_lopti.local.trainer import LocalTrainer, read_metrics
 from openrlhf_lopti.local.warmup import supervised_warmup
 
@@ -73,14 +75,29 @@ def test_resume_after_a_crash_continues_exactly(model_dir, tmp_path):
 def test_resume_refuses_changed_settings_and_out_dir_rules(model_dir, tmp_path):
     out = tmp_path / "run"
     LocalTrainer(config(model_dir, out, steps=1)).run()
-    with pytest.raises(ValueError, match="not empty"):
+    (out / "notes.txt").write_text("mine")  # a file of the user's, not of the run
+    with pytest.raises(UserError, match="holds outputs of an earlier run .*--resume.*--overwrite"):
         LocalTrainer(config(model_dir, out, steps=1))
-    with pytest.raises(ValueError, match="alpha"):
+    with pytest.raises(UserError, match=r"--alpha \(run: 0.0, now: 0.5\)"):
         LocalTrainer(config(model_dir, out, steps=2, alpha=0.5), resume=True)
-    with pytest.raises(ValueError, match="exclude"):
+    with pytest.raises(UserError, match="exclude"):
         LocalTrainer(config(model_dir, out), resume=True, overwrite=True)
-    LocalTrainer(config(model_dir, out, steps=1), overwrite=True)  # allowed, and clears the directory
-    assert not (out / CHECKPOINT_FILE).exists()
+    LocalTrainer(config(model_dir, out, steps=1), overwrite=True)  # allowed: removes the run's files only
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_its_folder_reusable(model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("killed in the first step")
+
+    monkeypatch.setattr(trainer_module, "update_policy", fail)
+    with pytest.raises(RuntimeError, match="first step"):
+        LocalTrainer(config(model_dir, out, steps=1)).run()
+    assert list(out.iterdir()) == []  # no config.json: the retry is not refused
+    monkeypatch.undo()
+    assert [r["step"] for r in LocalTrainer(config(model_dir, out, steps=1)).run()] == [1]
 
 
 def test_checkpoint_write_is_atomic(tmp_path):
@@ -108,9 +125,9 @@ def test_cli_precedence_defaults_saved_preset_flags(tmp_path):
     assert (cfg.alpha, cfg.lopti, cfg.people) == (0.2, True, [2])
     cfg = config_from_args(parse(["--model", "m", "--out", "o", "--people", "3,4", "--no-lopti", "--method", "lopti"]))
     assert cfg.people == [3, 4] and cfg.lopti is False
-    with pytest.raises(ValueError, match="--model"):
+    with pytest.raises(UserError, match="--model is required"):
         config_from_args(parse(["--out", "o"]))
-    with pytest.raises(ValueError, match="--out"):
+    with pytest.raises(UserError, match="--resume needs --out"):
         config_from_args(parse(["--resume"]))
     assert read_metrics(tmp_path / "r" / "config.json") == [saved]
 

@@ -70,14 +70,19 @@ def test_evaluate_rejects_bad_input():
 def test_main_on_a_generations_file(tmp_path, capsys):
     gens = tmp_path / "gens.jsonl"
     rows = [{"label": p["solution_text_format"], "num_people": 3, "response": right(p)} for p in P3]
+    rows.append({"label": P5["solution_text_format"], "num_people": 5, "response": wrong(P5)})
     gens.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert evaluate.main(["--task", "kk", "--generations", str(gens)]) == 0
-    results = json.loads((tmp_path / "gens.kk_eval.json").read_text())
+    out = tmp_path / "eval"
+    assert evaluate.main(["--task", "kk", "--generations", str(gens), "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
     assert results["groups"]["3"]["accuracy"] == 1.0
+    assert results["source"] == {"generations": str(gens), "limit_per_group": None}
     assert "1.0000" in capsys.readouterr().out
-    out = tmp_path / "sub" / "r.json"
-    evaluate.main(["--task", "kk", "--generations", str(gens), "--out", str(out), "--limit", "1"])
-    assert json.loads(out.read_text())["groups"]["3"]["prompts"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval", "gens.jsonl"]  # nothing beside the input
+    # --limit keeps the first N prompts of EACH group: the 5-person puzzle after the 3-person ones stays
+    evaluate.main(["--task", "kk", "--generations", str(gens), "--out", str(out), "--limit", "1", "--overwrite"])
+    groups = json.loads((out / "results.json").read_text())["groups"]
+    assert (groups["3"]["prompts"], groups["5"]["prompts"]) == (1, 1)
 
 
 @pytest.mark.parametrize("module", ["openrlhf_lopti.tasks.evaluate", "openrlhf_lopti.tasks.data"])
@@ -113,12 +118,17 @@ def test_main_with_a_local_model(tmp_path):
     prompts = tmp_path / "test.jsonl"
     recs = [{"prompt": kk.make_prompt(p), "label": p["solution_text_format"], "num_people": 3} for p in P3]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    gens, out = tmp_path / "gens.jsonl", tmp_path / "res.json"
+    out = tmp_path / "eval"
     argv = ["--task", "kk", "--model", str(tmp_path / "model"), "--data", str(prompts), "--n-samples", "2"]
-    argv += ["--max-new-tokens", "4", "--save-generations", str(gens), "--out", str(out)]
+    argv += ["--max-new-tokens", "4", "--out", str(out)]
     assert evaluate.main(argv) == 0
-    saved = [json.loads(line) for line in gens.read_text().splitlines()]
+    saved = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     assert [len(r["responses"]) for r in saved] == [2, 2]
     assert all(isinstance(s, str) and len(s) <= 4 for r in saved for s in r["responses"])
-    res = json.loads(out.read_text())
+    res = json.loads((out / "results.json").read_text())
     assert res["groups"]["3"]["samples"] == 4 and res["groups"]["3"]["accuracy"] == 0.0  # a random model
+    assert res["source"]["model"] == str(tmp_path / "model") and res["source"]["data"] == str(prompts)
+    # the generations file it wrote is a valid --generations input, with the same result
+    again = tmp_path / "again"
+    assert evaluate.main(["--task", "kk", "--generations", str(out / "generations.jsonl"), "--out", str(again)]) == 0
+    assert json.loads((again / "results.json").read_text())["groups"] == res["groups"]

@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .config import METHODS, TrainConfig, method_settings
+from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
+
+from .config import METHODS, ConfigError, TrainConfig, method_settings
 from .model import quiet_transformers
 
 HELP = {
@@ -59,7 +61,7 @@ HELP = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="openrlhf-lopti train",
         description="One-process GRPO / REINFORCE++ on Knights and Knaves with Advantage Reweighting and Lopti.",
         argument_default=argparse.SUPPRESS,  # only flags given on the command line reach the config
@@ -81,8 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    mode.add_argument("--overwrite", action="store_true", help="delete --out's contents first")
+    mode.add_argument("--overwrite", action="store_true",
+                      help="remove an earlier run's files from --out first (only those; other files stay)")  # fmt: skip
     return p
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag of a :class:`TrainConfig` field: ``lopti_order`` -> ``--lopti-order``."""
+    return "--" + field.replace("_", "-")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -90,41 +98,43 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     if "out" not in given:
         if getattr(args, "resume", False):
-            raise ValueError("--resume needs --out (the run directory to continue)")
+            raise UserError("--resume needs --out (the run folder to continue)")
         import time
 
         given["out"] = time.strftime("runs/train-%Y%m%d-%H%M%S")
     values = {}
     saved = Path(given["out"]) / "config.json"
     if getattr(args, "resume", False) and saved.exists():
-        values.update(json.loads(saved.read_text()))
+        try:
+            values.update(json.loads(saved.read_text()))
+        except json.JSONDecodeError as e:
+            raise UserError(f"--resume: {saved} line {e.lineno} is not valid JSON ({e.msg})") from None
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(TrainConfig)})
+        if unknown:
+            raise UserError(f"--resume: {saved} has settings this version does not know: {unknown}")
     if getattr(args, "method", None):
         values.update(method_settings(args.method))
     values.update(given)
     if "model" not in values:
-        raise ValueError("--model is required (a local Hugging Face checkpoint directory)")
-    return TrainConfig.from_dict(values)
+        raise UserError("--model is required (a local Hugging Face checkpoint folder)")
+    try:
+        return TrainConfig.from_dict(values)
+    except ConfigError as e:  # the config names its field; the user typed a flag
+        text = str(e)
+        raise UserError(flag_of(e.field) + text[len(e.field) :] if text.startswith(e.field) else text) from None
 
 
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_transformers()
-    try:
-        cfg = config_from_args(args)
-    except ValueError as e:
-        print(f"train: {e}", file=sys.stderr)
-        return 2
+    cfg = config_from_args(args)
     if getattr(args, "threads", 0):
         import torch
 
         torch.set_num_threads(args.threads)
     from .trainer import LocalTrainer
 
-    try:
-        trainer = LocalTrainer(cfg, resume=getattr(args, "resume", False), overwrite=getattr(args, "overwrite", False))
-    except ValueError as e:
-        print(f"train: {e}", file=sys.stderr)
-        return 2
+    trainer = LocalTrainer(cfg, resume=getattr(args, "resume", False), overwrite=getattr(args, "overwrite", False))
     rows = trainer.run()
     last = rows[-1] if rows else {}
     summary = ", ".join(f"{k} {last[k]:.3f}" for k in ("reward", "accuracy", "eval_accuracy") if k in last)
@@ -133,4 +143,4 @@ def main(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("openrlhf-lopti train", main, sys.argv[1:]))

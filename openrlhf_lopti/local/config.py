@@ -25,6 +25,14 @@ METHODS = {
 }
 
 
+class ConfigError(ValueError):
+    """A bad :class:`TrainConfig` value; ``field`` names it (the CLI reports it as the field's flag)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass
 class TrainConfig:
     """Everything a local run needs; saved as ``config.json`` in the run directory.
@@ -74,40 +82,54 @@ class TrainConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
+        """Raise :class:`ConfigError` (a ``ValueError``) naming the first bad field."""
         if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
-        check_alpha(self.alpha)
-        check_lopti_args(self.eta, self.lopti_order, self.lopti_quantile)
+            raise ConfigError("estimator", f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+        # algo's own checks, one argument at a time so that the error names the field
+        checks = (
+            ("alpha", lambda: check_alpha(self.alpha)),
+            ("eta", lambda: self.eta == 0 or check_lopti_args(self.eta, "low_first", None)),
+            ("lopti_order", lambda: check_lopti_args(0.5, self.lopti_order, None)),
+            ("lopti_quantile", lambda: check_lopti_args(0.5, "low_first", self.lopti_quantile)),
+        )
+        for name, check in checks:
+            try:
+                check()
+            except ValueError as e:
+                raise ConfigError(name, f"{name} {str(e).split(' ', 1)[1]}") from None
+        if self.lopti and self.eta == 0:  # eta 0 is "Lopti off", as OpenRLHF's --algo.lopti_eta 0
+            raise ConfigError("eta", "eta 0 means Lopti off (as --algo.lopti_eta 0 in the OpenRLHF CLI), but lopti "
+                              "is on (--lopti or a lopti --method): give eta in (0, 1], or turn Lopti off")  # fmt: skip
         positive_ints = ("steps", "prompts_per_step", "n_samples", "max_new_tokens", "mini_batch_size", "epochs")
         for name in positive_ints + ("save_every",):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+                raise ConfigError(name, f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("micro_batch_size", "eval_every", "eval_prompts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+                raise ConfigError(name, f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.estimator == "grpo" and self.n_samples < 2:
-            raise ValueError(f"n_samples must be >= 2 for GRPO's group normalisation, got {self.n_samples}")
+            message = f"n_samples must be >= 2 for GRPO's group normalisation, got {self.n_samples}"
+            raise ConfigError("n_samples", message)
         if not self.people or any(not 2 <= p <= 8 for p in self.people):
-            raise ValueError(f"people must list K&K sizes in [2, 8], got {self.people!r}")
+            raise ConfigError("people", f"people must list K&K sizes in [2, 8], got {self.people!r}")
         if self.prompt_style not in PROMPT_STYLES:
-            raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, got {self.prompt_style!r}")
+            raise ConfigError("prompt_style", f"prompt_style must be one of {PROMPT_STYLES}, got {self.prompt_style!r}")
         for name in ("temperature", "lr"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+                raise ConfigError(name, f"{name} must be a finite number > 0, got {value!r}")
         for name in ("weight_decay", "grad_clip", "kl_coef", "eps_high"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+                raise ConfigError(name, f"{name} must be a finite number >= 0, got {value!r}")
         if not 0 <= self.eps_low < 1:
-            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low!r}")
+            raise ConfigError("eps_low", f"eps_low must be in [0, 1), got {self.eps_low!r}")
         if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+            raise ConfigError("kl_estimator", f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+            raise ConfigError("dtype", f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.loss_backend not in LOSS_BACKENDS:
-            raise ValueError(f"loss_backend must be one of {LOSS_BACKENDS}, got {self.loss_backend!r}")
+            raise ConfigError("loss_backend", f"loss_backend must be one of {LOSS_BACKENDS}, got {self.loss_backend!r}")
 
     @property
     def method(self) -> str:

@@ -19,21 +19,27 @@ from typing import Optional
 
 import torch
 
+from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
+from openrlhf_lopti.outputs import prepare_out_dir
+
 from .config import METHODS, TrainConfig, method_settings
 from .evaluation import greedy_eval
 from .model import load_model, quiet_transformers
 from .plots import plot_runs
 from .task import eval_puzzles, prompt_for
-from .trainer import LocalTrainer, check_run_dir, resolve_device
+from .trainer import LocalTrainer, check_loss_backend, resolve_device
 from .warmup import build_warm_model
 
 WARMUP_DIR = "warmup_model"
+# Everything the demo writes into --out: exactly what --overwrite removes (each run folder as a whole).
+DEMO_OUTPUTS = (WARMUP_DIR, "warmup.json", *(f"runs/{m}" for m in METHODS), "demo.png", "summary.json",
+                "summary.md", f".{WARMUP_DIR}.tmp-*", f".{WARMUP_DIR}.old-*")  # fmt: skip
 DEMO_PEOPLE = [2]
 MAX_NEW_TOKENS = 20  # the ideal 2-person response is 15 tokens with its eos
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="openrlhf-lopti demo",
         description="Warm up a tiny model on 2-person Knights and Knaves, then train it with GRPO, +AR, "
         "+Lopti and +AR+Lopti (same seed and budget) and compare. No downloads; about 4-6 minutes on 2 CPU cores.",
@@ -59,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue an interrupted demo in --out")
-    mode.add_argument("--overwrite", action="store_true", help="delete --out's contents first")
+    mode.add_argument("--overwrite", action="store_true",
+                      help="remove an earlier demo's files from --out first (only those, not others)")  # fmt: skip
     return p
 
 
@@ -136,21 +143,15 @@ def main(argv: Optional[list] = None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
-        print(f"demo: --methods must be a comma-separated subset of {','.join(METHODS)}, got {args.methods!r}",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        raise UserError(f"--methods must be a comma-separated subset of {','.join(METHODS)}, got {args.methods!r}")
     for name in ("steps", "warmup_steps", "prompts_per_step", "n_samples"):
         if getattr(args, name) < 1:
-            print(f"demo: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out or time.strftime("runs/demo-%Y%m%d-%H%M%S"))
-    try:
-        out = check_run_dir(out, args.resume, args.overwrite)
-    except ValueError as e:
-        print(f"demo: {e}", file=sys.stderr)
-        return 2
+    check_loss_backend(args.loss_backend, resolve_device(args.device))
+    out = prepare_out_dir(out, DEMO_OUTPUTS, overwrite=args.overwrite, resume=args.resume, can_resume=True)
     t_start = time.perf_counter()
     print(f"demo: writing to {out}")
 
@@ -211,4 +212,4 @@ def main(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("openrlhf-lopti demo", main, sys.argv[1:]))

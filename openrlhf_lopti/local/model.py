@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from openrlhf_lopti.errors import check_model_dir
+
 from .task import COMPACT_WORDS
 
 MARKER_FILE = "lopti_local.json"
@@ -152,9 +154,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype 
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"model must be a local Hugging Face checkpoint directory, got {str(path)!r}")
+    path = check_model_dir(str(path))  # a clear error instead of transformers' advice to install sentencepiece
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:

@@ -10,16 +10,17 @@ import copy
 import json
 import os
 import random
-import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from openrlhf_lopti.algo import approx_kl, ar_weight, direction_counts, direction_metrics
+from openrlhf_lopti.errors import UserError, check_model_dir
+from openrlhf_lopti.outputs import prepare_out_dir
 
-from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
+from .checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint, set_rng_state
 from .config import TrainConfig
 from .experience import make_experience
 from .evaluation import greedy_eval
@@ -33,6 +34,10 @@ METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 FINAL_MODEL_DIR = "final_model"
 PLOT_FILE = "plots.png"
+# Everything a run writes into its folder (with the temporary names of its atomic writes): exactly what
+# `--overwrite` removes. A new output file must be added here.
+RUN_OUTPUTS = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, PLOT_FILE, FINAL_MODEL_DIR,
+               f".{CHECKPOINT_FILE}.tmp-*", f".{FINAL_MODEL_DIR}.tmp-*", f".{FINAL_MODEL_DIR}.old-*")  # fmt: skip
 
 
 def resolve_device(device: str) -> torch.device:
@@ -42,24 +47,41 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def check_run_dir(out: str | os.PathLike, resume: bool, overwrite: bool) -> Path:
-    """Create ``out`` or accept it; refuse a non-empty directory unless resuming or overwriting.
+def check_run_dir(
+    out: str | os.PathLike,
+    resume: bool,
+    overwrite: bool,
+    names: Sequence[str] = RUN_OUTPUTS,
+    can_resume: bool = True,
+    inputs: Sequence[tuple] = (),
+) -> Path:
+    """Create the run folder ``out`` or accept it (:func:`openrlhf_lopti.outputs.prepare_out_dir`).
 
-    ``overwrite`` deletes the directory's contents first.
+    An earlier run's files (``names``) there are refused unless ``resume`` (kept) or ``overwrite``
+    (removed, and only they: other files in ``out`` stay). ``inputs`` (``(flag, path)``) are never written.
     """
-    out = Path(out)
-    if resume and overwrite:
-        raise ValueError("resume and overwrite exclude each other")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out {str(out)!r} exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not resume:
-        if not overwrite:
-            raise ValueError(
-                f"out directory {str(out)!r} is not empty: pass --resume to continue it or --overwrite to replace it"
+    return prepare_out_dir(out, names, overwrite=overwrite, resume=resume, can_resume=can_resume, inputs=inputs)
+
+
+def check_loss_backend(backend: str, device: torch.device) -> None:
+    """Refuse, before anything is loaded or written, a ``--loss-backend`` that cannot run on ``device``."""
+    if backend == "triton":
+        from openrlhf_lopti.ops.triton import triton_available
+
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        if not triton_available() or (device.type != "cuda" and not interpreted):
+            raise UserError(
+                f"--loss-backend triton cannot run on {device}: it needs triton and a CUDA --device, or "
+                "TRITON_INTERPRET=1 in the environment to run on CPU (slow: tests only); use --loss-backend auto"
             )
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    elif backend == "cpp":
+        from openrlhf_lopti.ops.cpp_policy_loss import cpp_available
+
+        if device.type != "cpu":
+            raise UserError(f"--loss-backend cpp runs on CPU only, not {device}; use --loss-backend auto")
+        if not cpp_available():
+            raise UserError("--loss-backend cpp: the C++ kernel is not built here (see the warning above); "
+                            "use --loss-backend auto or torch")  # fmt: skip
 
 
 class LocalTrainer:
@@ -67,8 +89,10 @@ class LocalTrainer:
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, overwrite: bool = False):
         self.cfg = cfg
-        self.out = check_run_dir(cfg.out, resume, overwrite)
         self.device = resolve_device(cfg.device)
+        check_loss_backend(cfg.loss_backend, self.device)
+        check_model_dir(cfg.model)  # before the run folder is made
+        self.out = check_run_dir(cfg.out, resume, overwrite, inputs=[("--model", cfg.model)])
         dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
         self.policy, self.tokenizer, model_style = load_model(cfg.model, self.device, dtype)
         self.prompt_style = resolve_prompt_style(cfg.prompt_style, self.tokenizer, model_style)
@@ -86,9 +110,10 @@ class LocalTrainer:
 
     def _restore_or_start(self, resume: bool) -> None:
         ckpt = load_checkpoint(self.out) if resume else None
+        # A fresh run (or a resumed one that never checkpointed) writes config.json and a new metrics.jsonl
+        # only when its first step is done (`_log`), so a run that fails at start-up leaves its folder reusable.
+        self._fresh = ckpt is None
         if ckpt is None:
-            self.metrics_path.write_text("")  # a fresh run (or a resumed one that never checkpointed)
-            (self.out / CONFIG_FILE).write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
             return
         # Fields that may change between a run and its resumption: the rest must match.
         free = ("steps", "progress", "out", "device", "loss_backend")
@@ -96,7 +121,9 @@ class LocalTrainer:
         given = {k: v for k, v in self.cfg.to_dict().items() if k not in free}
         if saved != given:
             diff = sorted(k for k in saved if saved[k] != given.get(k))
-            raise ValueError(f"resume: settings differ from the checkpointed run's: {diff}")
+            shown = ", ".join(f"--{k.replace('_', '-')} (run: {saved[k]!r}, now: {given.get(k)!r})" for k in diff)
+            raise UserError(f"--resume: {shown} differ from the run in {self.out}: drop those flags to continue "
+                            "it, or start a new run in another --out")  # fmt: skip
         self.policy.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         set_rng_state(ckpt["rng"])
@@ -158,6 +185,10 @@ class LocalTrainer:
 
     def _log(self, metrics: dict) -> int:
         """Append one line to metrics.jsonl durably; returns the file size after it."""
+        if self._fresh:  # the first step of a fresh run is done: the run's files start now
+            (self.out / CONFIG_FILE).write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+            self.metrics_path.write_text("")
+            self._fresh = False
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
             f.flush()

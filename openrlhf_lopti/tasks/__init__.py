@@ -15,22 +15,104 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["messages_to_text", "read_rows", "response_from_query", "strip_special_tokens", "write_jsonl"]
+from openrlhf_lopti.errors import UserError
+
+__all__ = [
+    "load_rows", "messages_to_text", "read_rows", "response_from_query", "strip_special_tokens", "write_jsonl",
+]  # fmt: skip
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """Rows of a jsonl, json (list of objects) or parquet file."""
+def read_rows(path: str | Path, flag: str = "") -> list[dict]:
+    """Rows of a jsonl, json, parquet file or saved Hugging Face datasets folder (see :func:`load_rows`)."""
+    return load_rows(path, flag)[0]
+
+
+def load_rows(path: str | Path, flag: str = "") -> tuple[list[dict], list[str]]:
+    """Rows of a prompt / generations file, and where each one is, for error messages.
+
+    Reads what OpenRLHF's ``--data.prompt_dataset`` reads from a local path: a ``.jsonl`` file (one JSON
+    object per line, blank lines skipped), a ``.json`` file (a list of objects, or JSON lines), a
+    ``.parquet`` file, or a folder written by ``datasets``' ``save_to_disk`` (its ``train`` split when it
+    holds several).
+
+    Args:
+        path: the file or folder.
+        flag: the command-line flag that named it (``"--data"``), used in messages.
+
+    Returns:
+        ``(rows, where)``: the rows as dicts, and ``where[i]`` = ``"<path> line <L>"`` (jsonl, 1-based line
+        of the file) or ``"<path> row <R>"`` (1-based) for row ``i``.
+
+    Raises:
+        UserError: a missing file, an unreadable or malformed one (naming the 1-based line), a row that
+        is not an object.
+    """
     path = Path(path)
-    if path.suffix.lower() == ".parquet":
+    name = f"{flag} {path}" if flag else str(path)
+    if not path.exists():
+        raise UserError(f"{name}: no such file or folder")
+    if path.is_dir():
+        rows = _read_saved_dataset(path, name)
+        return rows, [f"{path} row {i + 1}" for i in range(len(rows))]
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
         try:
-            import pyarrow.parquet as pq
-        except ImportError as e:  # pragma: no cover - pyarrow comes with `datasets`
-            raise ImportError("reading parquet needs pyarrow (pip install pyarrow)") from e
-        return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
-        return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow raises several types for a file that is not parquet
+            raise UserError(f"{name}: not a readable parquet file ({e})") from None
+        return rows, [f"{path} row {i + 1}" for i in range(len(rows))]
+    if suffix not in (".jsonl", ".json"):
+        raise UserError(
+            f"{name}: unsupported file type {suffix or '(none)'!r}; use .jsonl, .json, .parquet or a folder "
+            "written by datasets' save_to_disk"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{name}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{name} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+        where = [f"{path} row {i + 1}" for i in range(len(items))]
+    else:
+        items, where = [], []
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                items.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise UserError(
+                    f"{name} line {lineno}: not valid JSON ({e.msg}, column {e.colno}); "
+                    "each line must be one JSON object"
+                ) from None
+            where.append(f"{path} line {lineno}")
+    for item, at in zip(items, where):
+        if not isinstance(item, dict):
+            raise UserError(f"{at}: a JSON {type(item).__name__}, not an object; each row must be a JSON object")
+    return items, where
+
+
+def _read_saved_dataset(path: Path, name: str) -> list[dict]:
+    """Rows of a ``save_to_disk`` folder (a Dataset, or a DatasetDict's ``train`` split)."""
+    markers = ("dataset_info.json", "state.json", "dataset_dict.json")
+    if not any((path / m).exists() for m in markers):
+        raise UserError(
+            f"{name}: a folder without a saved Hugging Face dataset (no {' / '.join(markers)}); pass a .jsonl, "
+            ".json or .parquet file, or a folder written by datasets' save_to_disk"
+        )
+    from datasets import Dataset, load_from_disk
+
+    data = load_from_disk(str(path))
+    if not isinstance(data, Dataset):  # a DatasetDict: OpenRLHF's default split is "train"
+        if "train" not in data:
+            raise UserError(f"{name}: a saved DatasetDict without a 'train' split (it has {sorted(data)})")
+        data = data["train"]
+    return data.to_list()
 
 
 def write_jsonl(path: str | Path, rows: Iterable[dict]) -> int:

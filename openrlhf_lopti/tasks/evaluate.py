@@ -2,18 +2,25 @@ r"""Evaluation: K&K accuracy per number of people, math accuracy per benchmark (
 
 From a jsonl of generations:
 
-    python -m openrlhf_lopti.tasks.evaluate --task kk --generations gens.jsonl [--out results.json]
+    python -m openrlhf_lopti.tasks.evaluate --task kk --generations gens.jsonl [--out runs/eval-kk]
 
 or by generating with a local model (transformers `generate`; needs transformers installed) on a
 prompt file written by `openrlhf-lopti data`:
 
     python -m openrlhf_lopti.tasks.evaluate --task kk --model path/to/model --data data/kk/test.jsonl \
-        --n-samples 1 --max-new-tokens 4096 --save-generations gens.jsonl
+        --n-samples 1 --max-new-tokens 4096 --out runs/eval-kk
+
+Writes into the folder `--out` (default `runs/eval-<timestamp>`): `results.json` (the metrics, and which
+model, data and settings produced them) and, with `--model`, `generations.jsonl` (the generations file
+below, which `--generations` reads back). An `--out` holding these files is refused unless `--overwrite`.
 
 Generations file: one JSON object per line with `label` (K&K: solution_text_format; math: the answer),
 `responses` (list of strings) or `response` (one string), and the group key: `num_people` for K&K
 (taken from the label's line count when absent), `benchmark` (or `datasource`) for math. Lines with the
 same `id` (else the same `prompt`) are merged, so one line per sample works too.
+
+`--limit N` keeps the first N prompts of each group (each number of people, each benchmark), so a quick
+run still covers every group.
 
 Metrics, per group:
 - accuracy: the mean over prompts of the fraction of a prompt's samples that are right; with one
@@ -30,37 +37,80 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from openrlhf_lopti.errors import ArgumentParser, UserError, check_model_dir, run_command
+from openrlhf_lopti.outputs import prepare_out_dir
 from openrlhf_lopti.tasks import kk
 from openrlhf_lopti.tasks import math as math_task
-from openrlhf_lopti.tasks import messages_to_text, read_rows, write_jsonl
+from openrlhf_lopti.tasks import load_rows, messages_to_text, write_jsonl
 
 __all__ = ["build_parser", "evaluate", "format_table", "generate_local", "main"]
 
 
-def _merge(records: Iterable[dict]) -> list[dict]:
-    """One entry per prompt with all its responses (records sharing `id`, else `prompt`, are merged)."""
-    merged: dict[str, dict] = {}
+RESULTS_FILE = "results.json"
+GENERATIONS_FILE = "generations.jsonl"
+
+
+def _merge(records: Iterable[dict], where: list[str] | None = None) -> list[tuple[dict, str]]:
+    """One entry per prompt with all its responses (records sharing `id`, else `prompt`, are merged), each
+    with where its first record came from (``where[i]``, else ``"record <i+1>"``)."""
+    merged: dict[str, tuple[dict, str]] = {}
     for i, rec in enumerate(records):
+        at = where[i] if where is not None else f"record {i + 1}"
         if "responses" in rec:
-            responses = list(rec["responses"])
+            responses = rec["responses"]
+            if not isinstance(responses, list) or not all(isinstance(r, str) for r in responses):
+                raise UserError(f"{at}: 'responses' must be a list of strings, got {type(responses).__name__}")
         elif "response" in rec:
+            if not isinstance(rec["response"], str):
+                raise UserError(f"{at}: 'response' must be a string, got {type(rec['response']).__name__}")
             responses = [rec["response"]]
         else:
-            raise ValueError(f"record {i} has neither 'responses' nor 'response'")
+            raise UserError(f"{at}: no 'responses' (a list of strings) or 'response' (a string) key; --generations "
+                            "takes a file like the generations.jsonl that `eval --model` writes")  # fmt: skip
         if "label" not in rec:
-            raise ValueError(f"record {i} has no 'label'")
+            raise UserError(f"{at}: no 'label' key (the K&K solution_text_format or the math answer)")
         if "id" in rec:
             key = f"id:{rec['id']}"
         elif "prompt" in rec:
             key = "prompt:" + json.dumps(rec["prompt"], sort_keys=True)
         else:
             key = f"line:{i}"
-        entry = merged.setdefault(key, {**rec, "responses": []})
-        entry["responses"].extend(str(r) for r in responses)
+        entry, _ = merged.setdefault(key, ({**rec, "responses": []}, at))
+        entry["responses"].extend(responses)
     return list(merged.values())
+
+
+def first_per_group(records: list, task: str, limit: int | None, where: list[str] | None = None) -> list[int]:
+    """Indices of the records of the first ``limit`` prompts of each group (all when ``limit`` is None).
+
+    Records of one prompt (same ``id``, else same ``prompt``) count once, so one line per sample works.
+    """
+    if limit is None:
+        return list(range(len(records)))
+    group_of = _kk_group if task == "kk" else _math_group
+    kept: dict[str, set] = {}
+    out = []
+    for i, rec in enumerate(records):
+        at = where[i] if where is not None else f"record {i + 1}"
+        prompt = rec.get("id", json.dumps(rec.get("prompt", i), sort_keys=True))
+        group = _checked_group(group_of, rec, at)
+        prompts = kept.setdefault(group, set())
+        if prompt in prompts or len(prompts) < limit:
+            prompts.add(prompt)
+            out.append(i)
+    return out
+
+
+def _checked_group(group_of, rec: dict, at: str) -> str:
+    try:
+        return group_of(rec)
+    except (KeyError, ValueError) as e:  # a K&K label that does not parse
+        raise UserError(f"{at}: cannot tell the K&K size from 'label' {str(rec.get('label'))[:60]!r} ({e}); "
+                        "add num_people or fix the label")  # fmt: skip
 
 
 def _kk_group(rec: dict) -> str:
@@ -83,17 +133,24 @@ def _score_math(response: str, label: str) -> dict[str, float]:
     return {"right": float(math_task.is_equiv(pred, str(label))), "boxed": float(pred is not None)}
 
 
-def evaluate(records: Iterable[dict], task: str) -> dict:
-    """Metrics per group (K&K: number of people; math: benchmark) and their average; see module doc."""
+def evaluate(records: Iterable[dict], task: str, where: list[str] | None = None) -> dict:
+    """Metrics per group (K&K: number of people; math: benchmark) and their average; see module doc.
+
+    ``where[i]`` says where record i came from (``"gens.jsonl line 3"``), for error messages.
+    """
     if task not in ("kk", "math"):
         raise ValueError(f"task must be 'kk' or 'math', got {task!r}")
     score, group_of = (_score_kk, _kk_group) if task == "kk" else (_score_math, _math_group)
     groups: dict[str, list[list[dict[str, float]]]] = {}
-    for rec in _merge(records):
+    for rec, at in _merge(records, where):
         if not rec["responses"]:
             continue
-        scored = [score(r, rec["label"]) for r in rec["responses"]]
-        groups.setdefault(group_of(rec), []).append(scored)
+        group = _checked_group(group_of, rec, at)
+        try:
+            scored = [score(r, rec["label"]) for r in rec["responses"]]
+        except ValueError as e:  # kk.reward_parts refuses a label that is not a solution_text_format
+            raise UserError(f"{at}: 'label' is not a K&K solution ({e}); is --task right?") from None
+        groups.setdefault(group, []).append(scored)
 
     def sort_key(name: str) -> tuple:
         return (0, int(name), "") if name.isdigit() else (1, 0, name)
@@ -194,36 +251,86 @@ def generate_local(
 
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser of `openrlhf-lopti eval`."""
-    p = argparse.ArgumentParser(prog="openrlhf-lopti eval", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="openrlhf-lopti eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", choices=("kk", "math"), required=True)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--generations", help="jsonl of generations (see module docstring)")
-    src.add_argument("--model", help="local Hugging Face model to generate with (needs --data)")
-    p.add_argument("--data", help="prompt jsonl written by `openrlhf-lopti data` (with --model)")
+    src.add_argument("--generations", help="jsonl of generations (see `Generations file` in the README)")
+    src.add_argument("--model", help="local Hugging Face model folder to generate with (needs --data)")
+    p.add_argument("--data", help="prompt file (jsonl, json, parquet, datasets folder), e.g. from `data kk`")
+    p.add_argument("--input-key", default="prompt", help="--data field of the prompt (default prompt)")
+    p.add_argument("--label-key", default="label", help="field of the label (default label)")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="also wrap string prompts as a user message through the chat template (message "
+                   "lists always go through it), as train / OpenRLHF's --data.apply_chat_template")  # fmt: skip
     p.add_argument("--n-samples", type=int, default=1, help="samples per prompt (avg@k); 1 = greedy")
     p.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy) for 1 sample, else 1.0")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts of each group")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-generations", help="write the generated responses to this jsonl")
-    p.add_argument("--out", help="results JSON (default: next to the input, <name>.<task>_eval.json)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's choice)")
+    p.add_argument("--out", default=None, help=f"output folder: {RESULTS_FILE}, and {GENERATIONS_FILE} with "
+                   "--model (default runs/eval-<timestamp>)")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true", help=f"replace {RESULTS_FILE} / {GENERATIONS_FILE} in --out")
     return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.model and not args.data:
+        raise UserError("--model needs --data (the prompt file to generate from)")
+    if args.generations and args.data:
+        raise UserError("--data goes with --model; --generations already holds the prompts' labels")
+    for flag in ("n_samples", "max_new_tokens", "batch_size", "limit"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.temperature is not None and not args.temperature >= 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+
+
+def _prompt_rows(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
+    """The --data rows (those --limit keeps), each checked for the prompt and label keys."""
+    rows, where = load_rows(args.data, "--data")
+    if not rows:
+        raise UserError(f"--data {args.data}: no rows")
+    for row, at in zip(rows, where):
+        for flag, key in (("--input-key", args.input_key), ("--label-key", args.label_key)):
+            if key not in row:
+                keys = ", ".join(sorted(map(str, row))[:8])
+                raise UserError(f"{at}: no {key!r} key (the row has {keys}); pass {flag} with the right field name")
+        if not isinstance(row[args.input_key], (str, list)):
+            raise UserError(f"{at}: {args.input_key!r} must be a string or a list of chat messages")
+    rows = [{**row, "label": row[args.label_key]} for row in rows]
+    keep = first_per_group(rows, args.task, args.limit, where)
+    return [rows[i] for i in keep], [where[i] for i in keep]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `openrlhf-lopti eval` / `python -m openrlhf_lopti.tasks.evaluate`."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    _check_args(args)
+    inputs = [("--generations", args.generations), ("--data", args.data), ("--model", args.model)]
+    out = Path(args.out or time.strftime("runs/eval-%Y%m%d-%H%M%S"))
+    names = [RESULTS_FILE] + ([GENERATIONS_FILE] if args.model else [])
     if args.model:
-        if not args.data:
-            parser.error("--model needs --data (a prompt jsonl)")
-        records = read_rows(args.data)[: args.limit]
+        check_model_dir(args.model)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.model:
+        rows, where = _prompt_rows(args)
+        out = prepare_out_dir(out, names, overwrite=args.overwrite, inputs=inputs)
+        prompts = [row[args.input_key] for row in rows]
+        if args.apply_chat_template:
+            prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
         temperature = args.temperature if args.temperature is not None else (0.0 if args.n_samples == 1 else 1.0)
         responses = generate_local(
             args.model,
-            [r["prompt"] for r in records],
+            prompts,
             n_samples=args.n_samples,
             temperature=temperature,
             top_p=args.top_p,
@@ -231,22 +338,30 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size,
             seed=args.seed,
         )
-        records = [{**r, "responses": rs} for r, rs in zip(records, responses)]
-        if args.save_generations:
-            write_jsonl(args.save_generations, records)
-        source = Path(args.data)
+        records = [{**r, "responses": rs} for r, rs in zip(rows, responses)]
+        write_jsonl(out / GENERATIONS_FILE, records)
+        source = {"model": args.model, "data": args.data, "n_samples": args.n_samples, "temperature": temperature,
+                  "top_p": args.top_p, "max_new_tokens": args.max_new_tokens, "seed": args.seed}  # fmt: skip
     else:
-        records = read_rows(args.generations)[: args.limit]
-        source = Path(args.generations)
+        rows, where = load_rows(args.generations, "--generations")
+        if not rows:
+            raise UserError(f"--generations {args.generations}: no rows")
+        if args.label_key != "label":
+            rows = [{**r, "label": r[args.label_key]} if args.label_key in r else r for r in rows]
+        keep = first_per_group(rows, args.task, args.limit, where)
+        records, where = [rows[i] for i in keep], [where[i] for i in keep]
+        source = {"generations": args.generations}
 
-    results = evaluate(records, args.task)
+    results = evaluate(records, args.task, where)
+    if not args.model:  # (with --model the folder was prepared before generating)
+        out = prepare_out_dir(out, names, overwrite=args.overwrite, inputs=inputs)
+    results["source"] = {**source, "limit_per_group": args.limit}
     print(format_table(results))
-    out = Path(args.out) if args.out else source.with_name(f"{source.stem}.{args.task}_eval.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    print(f"results written to {out}")
+    (out / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    wrote = f"{out / RESULTS_FILE}" + (f" and {out / GENERATIONS_FILE}" if args.model else "")
+    print(f"results written to {wrote}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("openrlhf-lopti eval", main, sys.argv[1:]))

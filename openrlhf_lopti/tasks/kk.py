@@ -33,7 +33,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from openrlhf_lopti.tasks import messages_to_text, read_rows
+from openrlhf_lopti.errors import UserError
+from openrlhf_lopti.tasks import load_rows, messages_to_text
 
 __all__ = [
     "MAX_PEOPLE",
@@ -450,23 +451,24 @@ def load_public(path: str | Path, *, verify: bool = False) -> list[dict]:
     """
     path = Path(path)
     out = []
-    for i, row in enumerate(read_rows(path)):
+    rows, where = load_rows(path)
+    for row, at in zip(rows, where):
         missing = [k for k in ("quiz", "names", "solution") if k not in row]
         if missing:
-            raise ValueError(f"{path}:{i}: missing keys {missing}")
+            raise UserError(f"{at}: missing keys {missing}; a public K&K row has quiz, names, solution, statements")
         rec = dict(row)
         rec["names"] = [str(n) for n in rec["names"]]
         rec["solution"] = [bool(s) for s in rec["solution"]]
         if len(rec["names"]) != len(rec["solution"]):
-            raise ValueError(f"{path}:{i}: {len(rec['names'])} names but {len(rec['solution'])} roles")
+            raise UserError(f"{at}: {len(rec['names'])} names but {len(rec['solution'])} roles")
         if not rec.get("solution_text_format"):
             rec["solution_text_format"] = solution_text_format(rec["names"], rec["solution"])
         rec["num_people"] = len(rec["names"])
         if verify:
             if "statements" not in rec:
-                raise ValueError(f"{path}:{i}: cannot verify without statements")
+                raise UserError(f"{at}: cannot verify without statements")
             sols = solve(rec["statements"])
             if sols != [tuple(rec["solution"])]:
-                raise ValueError(f"{path}:{i}: statements have {len(sols)} solutions, not the stored one")
+                raise UserError(f"{at}: statements have {len(sols)} solutions, not the stored one")
         out.append(rec)
     return out

@@ -1,0 +1,130 @@
+"""Where a command may write: the rules every ``openrlhf-lopti`` command follows for its outputs.
+
+- A command never writes over a file it was given as input, nor into an input's folder, nor removes one.
+- Each command knows the names of its outputs (files, folders, glob patterns such as ``people[0-9].jsonl``).
+  If any of them already exists in ``--out``, the command refuses to start unless ``--overwrite`` (or, for
+  commands that can continue a run, ``--resume``) is given. ``--overwrite`` removes exactly those names;
+  anything else the user keeps in the folder stays, and unrelated files never block a run.
+"""
+
+import fnmatch
+import shutil
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .errors import UserError
+
+Inputs = Iterable[tuple]  # (flag, path) pairs, e.g. [("--model", "runs/x/final_model")]
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies below it (both resolved)."""
+    return path == folder or folder in path.parents
+
+
+def _existing(out: Path, names: Sequence[str]) -> list[Path]:
+    found: list[Path] = []
+    for name in names:
+        matches = sorted(out.glob(name)) if any(c in name for c in "*?[") else [out / name]
+        found += [m for m in matches if m.exists() or m.is_symlink()]
+    return list(dict.fromkeys(found))
+
+
+def _check_inputs(out: Path, names: Sequence[str], out_flag: str, inputs: Inputs) -> None:
+    """Refuse an output folder inside an input folder, and an output name that is (or holds) an input."""
+    root = out.resolve()
+    for flag, path in inputs:
+        if path is None:
+            continue
+        given = Path(path).resolve()
+        if given.is_dir() and _inside(root, given):
+            raise UserError(f"{out_flag} {out} lies inside {flag} {path}: choose an {out_flag} outside that folder")
+        if not _inside(given, root):
+            continue
+        rel = given.relative_to(root).parts
+        for name in names:
+            parts = Path(name).parts
+            if len(rel) >= len(parts) and all(fnmatch.fnmatchcase(r, n) for r, n in zip(rel, parts)):
+                raise UserError(
+                    f"{out_flag} {out} would write over {flag} {path} (the output {name!r} is that input): "
+                    f"choose another {out_flag}"
+                )
+
+
+def check_out_dir(
+    out: str | Path,
+    names: Sequence[str],
+    *,
+    overwrite: bool,
+    resume: bool = False,
+    can_resume: bool = False,
+    inputs: Inputs = (),
+    out_flag: str = "--out",
+) -> list[Path]:
+    """The checks of :func:`prepare_out_dir` without touching anything; returns the outputs it would remove."""
+    out = Path(out)
+    if resume and overwrite:
+        raise UserError("--resume and --overwrite exclude each other: --resume keeps the run, --overwrite replaces it")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out_flag} {out}: is a file; {out_flag} takes a folder")
+    _check_inputs(out, names, out_flag, inputs)
+    found = _existing(out, names) if out.is_dir() and not resume else []
+    if found and not overwrite:
+        shown = ", ".join(str(p.relative_to(out)) for p in found[:4]) + (", ..." if len(found) > 4 else "")
+        options = "--overwrite to replace them (only these are removed)"
+        if can_resume:
+            options = "--resume to continue that run, " + options
+        raise UserError(f"{out_flag} {out} holds outputs of an earlier run ({shown}): pass {options}, "
+                        f"or choose another {out_flag}")  # fmt: skip
+    return found
+
+
+def prepare_out_dir(
+    out: str | Path,
+    names: Sequence[str],
+    *,
+    overwrite: bool,
+    resume: bool = False,
+    can_resume: bool = False,
+    inputs: Inputs = (),
+    out_flag: str = "--out",
+) -> Path:
+    """Check the output folder ``out`` of a command whose outputs are ``names`` and create it.
+
+    Args:
+        out: the folder (created with its parents when missing).
+        names: the command's output names relative to ``out``: files, folders, or glob patterns.
+        overwrite: remove the existing outputs among ``names`` (only those) first.
+        resume: the command continues the run in ``out``: existing outputs are expected, nothing is removed.
+        can_resume: the command has ``--resume`` (the refusal message then mentions it).
+        inputs: ``(flag, path)`` of every file or folder the command reads, which must stay untouched.
+        out_flag: how the folder was given, for messages.
+
+    Raises:
+        UserError: ``out`` is a file, an output would replace an input, or outputs exist and neither
+        ``overwrite`` nor ``resume`` is set.
+    """
+    found = check_out_dir(out, names, overwrite=overwrite, resume=resume, can_resume=can_resume, inputs=inputs,
+                          out_flag=out_flag)  # fmt: skip
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def prepare_out_file(path: str | Path, *, overwrite: bool, inputs: Inputs = (), out_flag: str = "--out") -> Path:
+    """Check one output file: never an input, refused when it exists unless ``overwrite``; creates its folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{out_flag} {path}: is a folder; {out_flag} takes a file name")
+    for flag, given in inputs:
+        if given is not None and Path(given).exists() and Path(given).resolve() == path.resolve():
+            raise UserError(f"{out_flag} {path} is also {flag}: it would overwrite that input; pick another {out_flag}")
+    if path.exists() and not overwrite:
+        raise UserError(f"{out_flag} {path} exists: pass --overwrite to replace it, or choose another {out_flag}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
