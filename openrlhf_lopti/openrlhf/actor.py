@@ -29,3 +29,5 @@ class LoptiPolicyModelActor(PolicyModelActor.__ray_actor_class__):
             upstream(strategy, pretrain, max_steps, vllm_engines)
         finally:
             names["ActorPPOTrainer"] = upstream_trainer
+        # A resumed run continues the RL step count of the checkpoint (the trainer names steps in its errors).
+        self.trainer.rl_step = int(self.checkpoint_states.get("global_step", 0))

@@ -20,11 +20,13 @@ What each flag changes, and where (the math itself is ``openrlhf_lopti.algo`` / 
   ``[N, V]`` copy of the logits is made; ``off`` leaves upstream's ``PolicyLoss`` in place.
 """
 
+import copy
 import inspect
 from contextlib import contextmanager, nullcontext
 from typing import Dict, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from openrlhf.models import PolicyLoss, aggregate_loss
 from openrlhf.models.utils import masked_mean
@@ -43,13 +45,16 @@ PER_PHASE_METRICS = (
     "policy_loss", "ppo_clip_ratio", "ppo_kl", "actor_grad_norm", "kl", "entropy_loss", "logprobs_diff",
 )  # fmt: skip
 # aggregate_loss values: with the "all" denominator each phase's value is its share of the batch token mean.
+# "kl" is one only with --algo.kl.use_loss; otherwise it is the rollout's KL (in the reward), the same every phase.
 SHARE_METRICS = ("policy_loss", "kl", "entropy_loss")
 # masked means over the phase's own tokens.
 MEAN_METRICS = ("ppo_clip_ratio", "ppo_kl", "logprobs_diff", "vllm_kl", "is_filter_ratio")
 EMPTY_PHASE_WEIGHT = 1e-6  # metric weight of a micro-batch with no token of the running phase
 
 
-def merge_phase_status(statuses: Dict[str, dict], token_share: Dict[str, float], denominator: str) -> dict:
+def merge_phase_status(
+    statuses: Dict[str, dict], token_share: Dict[str, float], denominator: str, kl_is_loss: bool
+) -> dict:
     """One status dict for the round from upstream's per-phase ``ppo_train`` results.
 
     Args:
@@ -57,19 +62,22 @@ def merge_phase_status(statuses: Dict[str, dict], token_share: Dict[str, float],
             order the phases ran.
         token_share: phase name -> its fraction of the batch's response tokens.
         denominator: ``"all"`` or ``"phase"`` (``--algo.lopti_denominator``).
+        kl_is_loss: ``--algo.kl.use_loss``: ``kl`` is the KL loss (a per-token metric of the phase's tokens);
+            otherwise it is the rollout's KL folded into the reward, the same in every phase.
 
     Returns:
-        Every key of the last phase's status (rewards, lengths, learning rate and grad norm: the last
-        optimizer step's, as upstream logs them), then ``lopti/<phase>/<key>`` for :data:`PER_PHASE_METRICS`,
-        and the round's value of the per-token metrics: the sum over phases of loss shares
-        (``"all"`` denominator) or the token-weighted mean over phases.
+        Every key of the last phase's status (rewards, lengths, rollout KL, learning rate and grad norm: the
+        last optimizer step's, as upstream logs them), then ``lopti/<phase>/<key>`` for
+        :data:`PER_PHASE_METRICS`, and the round's value of the per-token metrics: the sum over phases of loss
+        shares (``"all"`` denominator) or the token-weighted mean over phases.
     """
     merged = dict(statuses[list(statuses)[-1]])
     for name, status in statuses.items():
         for key in PER_PHASE_METRICS:
             if key in status:
                 merged[f"lopti/{name}/{key}"] = status[key]
-    for key in SHARE_METRICS + MEAN_METRICS:
+    per_token = [key for key in SHARE_METRICS + MEAN_METRICS if key != "kl" or kl_is_loss]
+    for key in per_token:
         values = {name: status[key] for name, status in statuses.items() if key in status}
         weight = sum(token_share[name] for name in values)
         if key in SHARE_METRICS and denominator == "all":
@@ -113,12 +121,22 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
 
             # fused_policy_loss's own "auto" picks triton on CUDA when importable, cpp on CPU when built.
             self.strategy.print(f"[openrlhf-lopti] fused policy loss, triton available: {triton_available()}")
+        self._explicit_boundaries = False  # set by _passes_end_on_optimizer_steps, read by training_step
         self.lopti_phase: Optional[str] = None  # the Lopti phase running now: set by ppo_train, read by training_step
         self.lopti_threshold: float = self.lopti.lopti_eta  # this round's probability threshold (eta or quantile)
+        self.rl_step = 0  # RL steps trained (ppo_train calls); LoptiPolicyModelActor sets it on resume
+        self._micro_batch = ""  # where training_step is, for error messages
 
     # ------------------------------------------------------------------ Lopti rounds
     def ppo_train(self, kl_ctl: float) -> Dict[str, float]:
-        """Upstream's ``ppo_train``, once per Lopti phase in order when Lopti is on, plus our round metrics."""
+        """Upstream's ``ppo_train``, once per Lopti phase in order when Lopti is on, plus our round metrics.
+
+        With AR or Lopti on, every pass of upstream's ``ppo_train`` ends on an optimizer step (see
+        :meth:`_passes_end_on_optimizer_steps`), and the LR schedule moves once per RL step as upstream's single
+        pass moves it: each later phase starts from the schedule's state at the start of the step, so each phase
+        trains with the learning rates upstream's pass would use, and the step ends where upstream's ends.
+        """
+        self.rl_step += 1
         if self.lopti.ar_alpha == 0 and not self.lopti.lopti_enabled:
             return super().ppo_train(kl_ctl)
         items = self.replay_buffer.items
@@ -139,31 +157,84 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         if self.lopti.ar_alpha > 0:
             metrics["ar/mean_weight"] = sums["ar_weight"] / tokens
         if not self.lopti.lopti_enabled or sums["tokens"] == 0:
-            return {**super().ppo_train(kl_ctl), **metrics}
+            with self._passes_end_on_optimizer_steps():
+                return {**super().ppo_train(kl_ctl), **metrics}
 
         counts = {"low": sums["low"], "high": sums["tokens"] - sums["low"]}
         metrics["lopti/low_token_frac"] = counts["low"] / tokens
         metrics["lopti/threshold"] = self.lopti_threshold
         statuses = {}
+        schedule = self._lr_schedule_state()
         for name in PHASE_NAMES[self.lopti.lopti_order]:
             if counts[name] == 0:  # same decision on every rank: the counts are global
                 self.strategy.print(f"[openrlhf-lopti] Lopti: no '{name}' tokens in this batch, phase skipped")
                 continue
             self.strategy.print(f"[openrlhf-lopti] Lopti phase '{name}': {counts[name] / tokens:.1%} of the tokens")
+            if statuses:  # a later phase: upstream's single pass would not have moved the schedule yet
+                self._restore_lr_schedule(schedule)
             self.lopti_phase = name
             try:
                 with self._replay_items_in_phase() if self.lopti.lopti_denominator == "phase" else nullcontext():
-                    statuses[name] = super().ppo_train(kl_ctl)
+                    with self._passes_end_on_optimizer_steps():
+                        statuses[name] = super().ppo_train(kl_ctl)
             finally:
                 self.lopti_phase = None
         share = {name: counts[name] / tokens for name in counts}
-        return {**merge_phase_status(statuses, share, self.lopti.lopti_denominator), **metrics}
+        merged = merge_phase_status(statuses, share, self.lopti.lopti_denominator, self.args.algo.kl.use_loss)
+        return {**merged, **metrics}
+
+    def _lr_schedule_state(self) -> dict:
+        """The LR scheduler's state and the optimizer's current learning rates (what the next step uses)."""
+        return {
+            "scheduler": copy.deepcopy(self.actor_scheduler.state_dict()),
+            "lrs": [group["lr"] for group in self.actor_scheduler.optimizer.param_groups],
+        }
+
+    def _restore_lr_schedule(self, state: dict) -> None:
+        self.actor_scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.actor_scheduler.optimizer.param_groups, state["lrs"]):
+            group["lr"] = lr
+
+    @contextmanager
+    def _passes_end_on_optimizer_steps(self) -> Iterator[None]:
+        """DeepSpeed's accumulation windows restart with each pass of upstream's ``ppo_train`` and its last window
+        ends on an optimizer step, as ``iter_grad_accum_global_norm``'s loss normalisers assume.
+
+        DeepSpeed counts micro-steps over the whole run, so when a pass has a number of micro-batches that is
+        not a multiple of ``gas`` (e.g. the short last batch of an episode), its last window would otherwise
+        take gradients from the next pass: the other Lopti phase or the next RL step. ``training_step`` sets the
+        boundary of each micro-batch explicitly (:meth:`_set_accumulation_boundary`); dynamic batching decides
+        its own optimizer steps and is left alone.
+        """
+        self._explicit_boundaries = not self.args.train.dynamic_batch_enable
+        try:
+            yield
+        finally:
+            self._explicit_boundaries = False
+            engine = self.actor.model
+            if hasattr(engine, "set_gradient_accumulation_boundary"):
+                engine._is_gradient_accumulation_boundary = None  # back to DeepSpeed's own micro-step counter
+
+    def _set_accumulation_boundary(self, step: int) -> None:
+        """Micro-batch ``step`` of this epoch ends a window if it is the ``gas``-th of it or the epoch's last."""
+        per_epoch = len(self.replay_buffer) // self.replay_buffer.sample_batch_size  # DataLoader(drop_last=True)
+        gas = max(int(self.strategy.accumulated_gradient), 1)
+        self.actor.model.set_gradient_accumulation_boundary((step + 1) % gas == 0 or step + 1 >= per_epoch)
 
     def _round_threshold(self, old_log_probs: torch.Tensor, response: torch.Tensor) -> float:
-        """``eta``, or with ``--algo.lopti_quantile`` that quantile of this rank's response-token probabilities."""
-        if self.lopti.lopti_quantile is None or not response.any():
+        """``eta``, or with ``--algo.lopti_quantile`` that quantile of the response-token probabilities of the whole
+        data-parallel batch (every rank's tokens), so every rank puts a token of a given p in the same phase."""
+        if self.lopti.lopti_quantile is None:
             return self.lopti.lopti_eta
-        threshold = quantile_threshold(old_log_probs[response].exp(), self.lopti.lopti_quantile)
+        probs = old_log_probs[response].exp()
+        if dist.is_available() and dist.is_initialized():
+            group = self.strategy.ds_device_mesh["dp"].get_group()
+            gathered = [None] * dist.get_world_size(group=group)
+            dist.all_gather_object(gathered, probs, group=group)
+            probs = torch.cat(gathered)
+        if probs.numel() == 0:
+            return self.lopti.lopti_eta
+        threshold = quantile_threshold(probs, self.lopti.lopti_quantile)
         return min(max(threshold, torch.finfo(torch.float32).tiny), 1.0)  # lopti_phases wants eta in (0, 1]
 
     def _phase_mask(self, experience: Experience) -> torch.Tensor:
@@ -203,6 +274,10 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
                 step=step,
                 dynamic_batch=self.args.train.dynamic_batch_enable,
             )
+        if self._explicit_boundaries:
+            self._set_accumulation_boundary(step)
+        phase = f", Lopti phase '{self.lopti_phase}'" if self.lopti_phase else ""
+        self._micro_batch = f"RL step {self.rl_step}{phase}, micro-batch {step + 1} of the epoch"
         response_mask, advantages = experience.action_mask, experience.advantages
         try:
             if self.lopti_phase is not None:
@@ -268,10 +343,15 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
 
         def fused_on_model_logits(module, args, output):
             logits = output["logits"]
-            step["out"] = self._fused_outputs(
-                logits, experience, getattr(actor, "packing_samples", False), policy_loss,
-                temperature=actor.temperature, return_entropy=step["entropy"],
-            )  # fmt: skip
+            error = None
+            try:
+                step["out"] = self._fused_outputs(
+                    logits, experience, getattr(actor, "packing_samples", False), policy_loss,
+                    temperature=actor.temperature, return_entropy=step["entropy"],
+                )  # fmt: skip
+            except ValueError as exc:  # bad input or non-finite logits: fail every rank, before any collective
+                error = exc
+            self._raise_on_every_rank_if_any_failed(error)
             output["logits"] = logits.new_empty((*logits.shape[:-1], 0))  # survives .to(float32) and .div_
             return output
 
@@ -302,6 +382,25 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             for handle in handles:
                 handle.remove()
             self.actor_loss_fn = policy_loss
+
+    def _raise_on_every_rank_if_any_failed(self, error: Optional[BaseException]) -> None:
+        """Raise on every data-parallel rank if ``fused_policy_loss`` raised on any, naming the rank and the step.
+
+        Called after each micro-batch's fused loss, before upstream's backward: a rank that raised alone would
+        leave the others waiting in the backward's gradient collectives. Costs one scalar all-reduce (a host
+        sync) per micro-batch; the messages are gathered only when a rank failed.
+        """
+        failed = self.strategy.all_reduce(0.0 if error is None else 1.0, op="max")  # over every rank
+        if not failed:
+            return
+        distributed = dist.is_available() and dist.is_initialized()
+        message = None if error is None else f"rank {dist.get_rank() if distributed else 0}: {error}"
+        messages = [message]
+        if distributed:
+            messages = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, message)
+        first = next(m for m in messages if m is not None)
+        raise ValueError(f"fused_policy_loss failed at {self._micro_batch}, on {first}") from error
 
     def _fused_outputs(
         self,
