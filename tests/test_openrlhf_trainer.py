@@ -1,15 +1,16 @@
-"""LoptiActorPPOTrainer and LoptiPolicyModelActor on CPU, against OpenRLHF 0.11.2's real classes.
+"""LoptiActorPPOTrainer and LoptiPolicyModelActor on CPU, against OpenRLHF 0.11.2's real classes and engine.
 
 Real: openrlhf's ``Actor`` (around a tiny random Llama), ``Experience``, ``NaiveReplayBuffer``, upstream
 ``ActorPPOTrainer.ppo_train`` / ``training_step`` / ``PolicyLoss``, ``RemoteExperienceMaker``'s advantage
-estimators and ``PolicyModelActor.init_model_from_pretrained``. Stand-ins, because DeepSpeed and CUDA cannot
-run here: ``CPUStandInStrategy`` (the strategy methods the trainer calls, with DeepSpeed's gradient
-accumulation semantics), a one-process gloo group, and ``torch.cuda.current_device`` / ``synchronize``
-answered for CPU (``cuda_calls_on_cpu``).
+estimators, ``PolicyModelActor.init_model_from_pretrained``, and the DeepSpeed engine: the ``--cpu`` strategy
+(``CPUDeepspeedStrategy``: DeepSpeed's CPU accelerator, torch AdamW, gloo) in a one-process gloo group, fp32
+(``--ds.param_dtype fp32``) and ZeRO stage 0 unless a test says otherwise, so gradients stay readable in
+``param.grad``. Several data-parallel ranks are tested in ``test_openrlhf_deepspeed.py``.
 """
 
 import copy
 import functools
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,7 @@ install_cpu_stubs()  # before openrlhf's trainer modules: they import flash_attn
 
 import openrlhf.models.actor as openrlhf_actor  # noqa: E402
 import openrlhf.trainer.ray.ppo_actor as ppo_actor  # noqa: E402
+import openrlhf.utils.utils as openrlhf_utils  # noqa: E402
 from openrlhf.models import Actor  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  # noqa: E402
@@ -34,110 +36,61 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from openrlhf_lopti.algo import ar_weight  # noqa: E402
 from openrlhf_lopti.cli.train_ppo_ray import parse_args  # noqa: E402
 from openrlhf_lopti.openrlhf.actor import LoptiPolicyModelActor  # noqa: E402
+from openrlhf_lopti.openrlhf.cpu.strategy import get_cpu_strategy  # noqa: E402
 from openrlhf_lopti.openrlhf.trainer import LoptiActorPPOTrainer, merge_phase_status  # noqa: E402
 
 VOCAB, PROMPT, RESPONSE = 64, 5, 6
 PROMPTS, SAMPLES = 2, 4  # 8 responses: 2 prompts x 4 samples (GRPO groups)
 KL_CTL = 0.01
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
-class CPUStandInStrategy:
-    """CPU stand-in for OpenRLHF's ``DeepspeedStrategy``: the methods ``ActorPPOTrainer`` calls, one process.
+def record_optimizer_steps(engine, trainer, record_grads: bool) -> list:
+    """Wrap ``engine.step``: one dict per real optimizer step (an accumulation boundary) with the running Lopti
+    phase, the gradients DeepSpeed steps with (if asked; ZeRO stage 0 keeps them in ``param.grad``) and the
+    parameters after the step."""
+    steps, step = [], engine.step
 
-    Like a DeepSpeed engine with ``gradient_accumulation_steps = gas``: ``backward`` scales the loss by
-    ``1/gas`` and ``optimizer_step`` steps (clip, AdamW, scheduler) every ``gas``-th call; with dynamic
-    batching OpenRLHF sets gas to 1 and calls ``optimizer_step`` only at step boundaries. Each step is
-    recorded with the trainer's running Lopti phase and, if asked, a copy of the gradients.
-    """
+    def recorded(*args, **kwargs):
+        boundary = engine.is_gradient_accumulation_boundary()
+        params = [p for p in engine.module.parameters() if p.requires_grad]
+        grads = [p.grad.detach().clone() for p in params] if boundary and record_grads else None
+        out = step(*args, **kwargs)
+        if boundary:
+            steps.append({"phase": getattr(trainer, "lopti_phase", None), "grads": grads, "params": [p.detach().clone() for p in params]})
+        return out
 
-    def __init__(self, args, accumulated_gradient: int = 1, max_norm: float = 1.0, record_grads: bool = False):
-        self.args = args
-        self.accumulated_gradient = accumulated_gradient
-        self.max_norm = max_norm
-        self.record_grads = record_grads
-        self.ring_attn_group = None
-        self.ds_device_mesh = {"dp": SimpleNamespace(get_group=lambda: dist.group.WORLD)}
-        self.trainer = None  # set by the test, to record the phase of each step
-        self.steps = []  # one dict per optimizer step
-        self._calls = 0
-        self._grad_norm = 0.0
-
-    @property
-    def _gas(self) -> int:
-        return 1 if self.args.train.dynamic_batch_enable else self.accumulated_gradient
-
-    def backward(self, loss, model, optimizer, **kwargs):
-        (loss / self._gas).backward()
-
-    def optimizer_step(self, optimizer, model, scheduler, name="model", **kwargs):
-        self._calls += 1
-        if self._calls % self._gas:
-            return
-        params = [p for p in model.parameters() if p.requires_grad]
-        grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-        self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm).item()
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
-        self.steps.append(
-            {
-                "phase": getattr(self.trainer, "lopti_phase", None),
-                "grads": grads if self.record_grads else None,
-                "params": [p.detach().clone() for p in params],
-            }
-        )
-
-    def get_grad_norm(self, model):
-        return self._grad_norm
-
-    def all_reduce(self, data, op="mean"):
-        return data  # one rank
-
-    def moving_average(self, *args, **kwargs):
-        raise AssertionError("no EMA in these tests")
-
-    def is_rank_0(self):
-        return True
-
-    def get_rank(self):
-        return 0
-
-    def print(self, *msg):
-        pass
-
-    # used by PolicyModelActor.init_model_from_pretrained
-    def setup_distributed(self):
-        assert dist.is_initialized()
-
-    def get_ds_train_config(self, *args, **kwargs):
-        return None
-
-    def get_ds_eval_config(self, *args, **kwargs):
-        return None
-
-    def prepare(self, model_and_cfg):
-        actor, cfg = model_and_cfg
-        optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg["adam"]["lr"], betas=cfg["adam"]["betas"])
-        return actor, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    engine.step = recorded
+    return steps
 
 
 @pytest.fixture(scope="module", autouse=True)
-def gloo_world(tmp_path_factory):
-    """A one-process gloo group: upstream's trainer calls torch.distributed (barrier, all_reduce)."""
+def gloo_world():
+    """A one-process gloo group, as DeepSpeed's ``init_distributed`` finds it in a rank (from the environment)."""
     if dist.is_initialized():
         yield
         return
-    store = tmp_path_factory.mktemp("dist") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    from .ds_ranks import free_port
+
+    saved = {key: os.environ.get(key) for key in DIST_ENV}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", init_method="env://", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(autouse=True)
 def cuda_calls_on_cpu(monkeypatch):
-    """Upstream's trainer code calls torch.cuda.current_device() / synchronize() unconditionally."""
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    """The CPU strategy makes this process's bare ``torch.cuda`` calls answer for the CPU (and lets upstream read
+    "fp32"); registering the originals with monkeypatch restores them after each test."""
+    for name in ("current_device", "synchronize", "current_stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(torch.cuda, name))
+    monkeypatch.setattr(openrlhf_utils, "convert_to_torch_dtype", openrlhf_utils.convert_to_torch_dtype)
     return monkeypatch
 
 
@@ -146,7 +99,7 @@ def model_config():
     return LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
-        intermediate_size=64,
+        intermediate_size=48,  # not VOCAB: the fp32-copy spy looks for [..., VOCAB] tensors
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -232,35 +185,43 @@ def make_experience(rollout, actor: Actor, ref_noise: float = 0.1) -> Experience
 def make_args(*flags: str):
     """Real parsed args (upstream's parser and post-processing + ours): 8 samples, micro-batches of 2."""
     base = [
-        "--actor.model_name_or_path", "tiny", "--reward.remote_url", "reward.py",
+        "--cpu", "--actor.model_name_or_path", "tiny", "--reward.remote_url", "reward.py",
         "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", str(SAMPLES),
         "--rollout.batch_size", str(PROMPTS), "--train.batch_size", "4", "--train.micro_batch_size", "2",
-        "--actor.eps_clip_low_high", "0.2", "0.24", "--actor.fused_loss", "off",
+        "--actor.eps_clip_low_high", "0.2", "0.24", "--actor.fused_loss", "off", "--actor.adam.lr", "1e-3",
+        "--actor.lr_scheduler", "constant", "--ds.param_dtype", "fp32", "--ds.zero_stage", "0",
     ]  # fmt: skip
     return parse_args(base + list(flags))
 
 
 def make_trainer(env, cls, args, actor, gas=1, record_grads=False):
-    strategy = CPUStandInStrategy(args, accumulated_gradient=gas, record_grads=record_grads)
-    optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    with env.monkeypatch.context() as patch:
-        patch.setattr(torch.cuda, "current_device", lambda: 0)  # NaiveReplayBuffer builds torch.device("cuda:0")
-        trainer = cls(
-            strategy, actor, None, optimizer, scheduler,
-            micro_train_batch_size=args.train.micro_batch_size, dataloader_pin_memory=False,
-        )  # fmt: skip
-    strategy.trainer = trainer
+    """``cls`` around ``actor`` on the real DeepSpeed engine with ``gas`` micro-batches per optimizer step;
+    ``strategy.steps`` records each optimizer step (:func:`record_optimizer_steps`)."""
+    strategy = get_cpu_strategy(args)
+    strategy.train_batch_size = gas * args.train.micro_batch_size  # one rank
+    strategy.setup_distributed()
+    assert strategy.accumulated_gradient == gas
+    config = dict(
+        optim="adam", muon=vars(args.actor.muon), adam=vars(args.actor.adam), lr_scheduler=args.actor.lr_scheduler,
+        lr_warmup_ratio=args.actor.lr_warmup_ratio, min_lr_ratio=args.actor.min_lr_ratio, max_norm=1.0,
+        scheduler_steps=100,
+    )  # fmt: skip
+    actor, optimizer, scheduler = strategy.prepare((actor, config))
+    trainer = cls(
+        strategy, actor, None, optimizer, scheduler,
+        micro_train_batch_size=args.train.micro_batch_size, dataloader_pin_memory=False,
+    )  # fmt: skip
+    strategy.steps = record_optimizer_steps(actor.model, trainer, record_grads)
     return trainer, strategy
 
 
 def train_round(env, cls, args, gas=1, record_grads=False, edit=None):
     """One ``ppo_train`` round on the rollout; ``edit(experience)`` may change the experience first."""
     actor = make_actor(env, args)
-    trainer, strategy = make_trainer(env, cls, args, actor, gas, record_grads)
     experience = make_experience(env.rollout, actor)
     if edit is not None:
         edit(experience)
+    trainer, strategy = make_trainer(env, cls, args, actor, gas, record_grads)
     trainer.replay_buffer.append(experience)
     torch.manual_seed(3)  # the DataLoader's shuffle
     status = trainer.ppo_train(KL_CTL)
@@ -474,7 +435,7 @@ def test_fused_loss_never_makes_an_fp32_copy_of_the_logits(packing, env):
         flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
     spies = {}
     for fused in ("off", "auto"):
-        args = make_args(*flags, "--actor.fused_loss", fused)
+        args = make_args(*flags, "--actor.fused_loss", fused, "--ds.param_dtype", "bf16")
         actor = make_actor(env, args).to(torch.bfloat16)  # bf16 weights: bf16 logits, as on a GPU
         trainer, strategy = make_trainer(env, Lopti, args, actor)
         trainer.replay_buffer.append(make_experience(env.rollout, actor))
@@ -524,14 +485,19 @@ def test_merge_phase_status_rules():
         "high": {"policy_loss": 2.0, "ppo_clip_ratio": 0.1, "actor_grad_norm": 4.0, "reward": 0.2},
     }
     share = {"low": 0.25, "high": 0.75}
-    merged = merge_phase_status(statuses, share, "all")
+    merged = merge_phase_status(statuses, share, "all", kl_is_loss=True)
     assert merged["policy_loss"] == 3.0  # shares of one all-token mean add up
     assert merged["ppo_clip_ratio"] == pytest.approx(0.25 * 0.5 + 0.75 * 0.1)
     assert merged["actor_grad_norm"] == 4.0 and merged["reward"] == 0.2
     assert merged["lopti/low/actor_grad_norm"] == 3.0 and merged["lopti/high/policy_loss"] == 2.0
-    assert merge_phase_status(statuses, share, "phase")["policy_loss"] == pytest.approx(0.25 * 1.0 + 0.75 * 2.0)
-    only_high = merge_phase_status({"high": statuses["high"]}, {"low": 0.0, "high": 1.0}, "all")
+    assert merge_phase_status(statuses, share, "phase", True)["policy_loss"] == pytest.approx(0.25 * 1.0 + 0.75 * 2.0)
+    only_high = merge_phase_status({"high": statuses["high"]}, {"low": 0.0, "high": 1.0}, "all", True)
     assert only_high["policy_loss"] == 2.0 and "lopti/low/policy_loss" not in only_high
+    # "kl": the KL loss's phase shares add up; the rollout KL in the reward is the same number in every phase
+    with_kl = {name: {**status, "kl": 0.1 * (i + 1)} for i, (name, status) in enumerate(statuses.items())}
+    assert merge_phase_status(with_kl, share, "all", kl_is_loss=True)["kl"] == pytest.approx(0.3)
+    rollout_kl = {name: {**status, "kl": 0.5} for name, status in statuses.items()}
+    assert merge_phase_status(rollout_kl, share, "all", kl_is_loss=False)["kl"] == 0.5
 
 
 def test_quantile_sets_the_fraction_of_low_tokens(env):
@@ -630,19 +596,17 @@ def test_policy_model_actor_builds_our_trainer_and_trains(shipped, env, tmp_path
 
     args = make_args(
         "--algo.lopti_eta", "0.5", "--algo.ar_alpha", "0.3", "--actor.fused_loss", "torch",
-        "--ds.attn_implementation", "sdpa", "--vllm.sync_backend", "gloo", "--actor.adam.lr", "1e-3",
+        "--ds.attn_implementation", "sdpa", "--vllm.sync_backend", "gloo", "--train.batch_size", "2",
     )  # fmt: skip
     for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):  # the actor's __init__ sets them
         env.monkeypatch.setenv(key, "0")  # so that the test's teardown restores them
     policy = actor_class(1, 0, "127.0.0.1", 29500)
-    strategy = CPUStandInStrategy(args)
-    with env.monkeypatch.context() as patch:
-        patch.setattr(torch.cuda, "current_device", lambda: 0)  # NaiveReplayBuffer builds torch.device("cuda:0")
-        policy.init_model_from_pretrained(strategy, str(tmp_path), max_steps=10)
+    strategy = get_cpu_strategy(args)
+    policy.init_model_from_pretrained(strategy, str(tmp_path), max_steps=10)
     assert type(policy.trainer) is LoptiActorPPOTrainer
     upstream_class = next(c for c in actor_class.__mro__ if c.__name__ == "PolicyModelActor")
     assert upstream_class.init_model_from_pretrained.__globals__["ActorPPOTrainer"] is Upstream  # restored
-    strategy.trainer = policy.trainer
+    strategy.steps = record_optimizer_steps(policy.actor.model, policy.trainer, record_grads=False)
 
     action_mask = env.rollout.attention_mask[:, PROMPT:]
     old = policy.forward(env.rollout.sequences, action_mask, env.rollout.attention_mask)  # upstream's method
