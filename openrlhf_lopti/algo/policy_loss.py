@@ -177,6 +177,38 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     return logp, entropy
 
 
+def first_flagged_row(flags: torch.Tensor) -> Optional[int]:
+    """Index of the first True of ``[N]`` bool ``flags``, or None if there is none: one device-to-host sync."""
+    if flags.numel() == 0:
+        return None
+    first = int(torch.where(flags.any(), flags.to(torch.int32).argmax(), -1))
+    return None if first < 0 else first
+
+
+def bad_logit_row_error(row: int, row_logits: torch.Tensor, temperature: float = 1.0) -> ValueError:
+    """The ``ValueError`` for a logits row without a finite log-sum-exp, saying what it holds.
+
+    Args:
+        row: the row's index, as the caller's user knows it (a chunked caller passes the global index).
+        row_logits: ``[V]`` that row's logits, any float dtype and device.
+        temperature: > 0, what the logits are divided by.
+    """
+    values = row_logits.detach().float().cpu()
+    nan, pos_inf = torch.isnan(values).nonzero(), (values == float("inf")).nonzero()
+    if nan.numel():
+        holds = f"NaN at column {nan[0].item()}"
+    elif pos_inf.numel():
+        holds = f"+inf at column {pos_inf[0].item()}"
+    elif bool((values == float("-inf")).all()):
+        holds = "-inf in every column (no token has a nonzero probability)"
+    else:
+        holds = f"finite values that overflow float32 when divided by temperature={temperature}"
+    return ValueError(
+        f"logits row {row} (unmasked) has {holds}; logits must be finite or -inf, with a finite value in "
+        "every unmasked row (NaN / +inf logits usually mean the model diverged)"
+    )
+
+
 def check_logit_rows(bad_rows: torch.Tensor, logits: torch.Tensor, temperature: float = 1.0) -> None:
     """Raise the ``ValueError`` for the first unmasked logits row without a finite log-sum-exp, if any.
 
@@ -190,28 +222,12 @@ def check_logit_rows(bad_rows: torch.Tensor, logits: torch.Tensor, temperature: 
         temperature: > 0, what the logits were divided by.
 
     Raises:
-        ValueError: ``"logits row i ..."``, naming what row ``i`` holds (NaN / +inf and its column, all -inf,
-            or an overflow at this temperature).
+        ValueError: ``"logits row i ..."`` (:func:`bad_logit_row_error`), naming what row ``i`` holds (NaN /
+            +inf and its column, all -inf, or an overflow at this temperature).
     """
-    if bad_rows.numel() == 0:
-        return
-    first = int(torch.where(bad_rows.any(), bad_rows.to(torch.int32).argmax(), -1))  # the one sync
-    if first < 0:
-        return
-    row = logits[first].detach().float().cpu()
-    nan, pos_inf = torch.isnan(row).nonzero(), (row == float("inf")).nonzero()
-    if nan.numel():
-        holds = f"NaN at column {nan[0].item()}"
-    elif pos_inf.numel():
-        holds = f"+inf at column {pos_inf[0].item()}"
-    elif bool((row == float("-inf")).all()):
-        holds = "-inf in every column (no token has a nonzero probability)"
-    else:
-        holds = f"finite values that overflow float32 when divided by temperature={temperature}"
-    raise ValueError(
-        f"logits row {first} (unmasked) has {holds}; logits must be finite or -inf, with a finite value in "
-        "every unmasked row (NaN / +inf logits usually mean the model diverged)"
-    )
+    first = first_flagged_row(bad_rows)
+    if first is not None:
+        raise bad_logit_row_error(first, logits[first], temperature)
 
 
 def policy_loss_from_logits(
