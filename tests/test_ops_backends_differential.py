@@ -47,15 +47,15 @@ def _run(backend: str, inputs: dict, opts: dict, upstream: dict):
                  ref_log_probs=on["ref_log_probs"], **opts)  # fmt: skip
     except ValueError as exc:
         return str(exc), None
-    total = (out.loss * upstream["loss"].to(device)).sum() + (out.logp * upstream["logp"].to(device)).sum()
-    if out.entropy is not None:
-        total = total + (out.entropy * upstream["entropy"].to(device)).sum()
-    total.backward()
+    fields = [name for name in upstream if getattr(out, name) is not None]  # the outputs differentiated
+    sum(((getattr(out, name) * upstream[name].to(device)).sum() for name in fields)).backward()
     return out, logits.grad.cpu()
 
 
-def assert_backends_agree(inputs: dict, opts: dict, backends=BACKENDS, block_v=None, seed=0) -> str:
-    """Each backend gives the reference's outputs and gradient, or raises the reference's error.
+def assert_backends_agree(inputs: dict, opts: dict, backends=BACKENDS, block_v=None, seed=0,
+                          differentiate=("loss", "logp", "entropy")) -> str:  # fmt: skip
+    """Each backend gives the reference's outputs and the gradient of a random weighting of the outputs in
+    ``differentiate``, or raises the reference's error.
 
     Beyond closeness: -inf logits (off the label) get exactly 0 gradient, every output but ``logp`` is
     finite, and ``logp`` is -inf exactly where the reference's is. Returns ``"ok"`` or ``"error"``.
@@ -63,7 +63,7 @@ def assert_backends_agree(inputs: dict, opts: dict, backends=BACKENDS, block_v=N
     assert cpp_available(), "the C++ kernel must be built for this test"
     g = torch.Generator().manual_seed(seed)
     n = inputs["labels"].shape[0]
-    upstream = {k: torch.randn(n, generator=g) for k in ("loss", "logp", "entropy")}
+    upstream = {k: torch.randn(n, generator=g) for k in differentiate}
     want, want_grad = _run("reference", inputs, opts, upstream)
     logits = inputs["logits"].float()
     finite = logits[torch.isfinite(logits)]
@@ -159,6 +159,13 @@ def _name(dtype: torch.dtype) -> str:
 def test_minus_inf_logits_are_exact_on_every_backend(pattern, dtype, kl):
     inputs = _minus_inf(_inputs(dtype=dtype, seed=PATTERNS.index(pattern)), pattern)
     assert assert_backends_agree(inputs, _opts(kl=kl), block_v=16) == "ok"
+
+
+@pytest.mark.parametrize("pattern", ["columns", "label"])
+def test_loss_gradient_alone_while_entropy_is_returned(pattern):
+    """Entropy requested for logging but not differentiated: the loss gradient must not see 0 * log 0."""
+    inputs = _minus_inf(_inputs(seed=5), pattern)
+    assert assert_backends_agree(inputs, _opts(kl="k3"), block_v=16, differentiate=("loss",)) == "ok"
 
 
 BAD_VALUES = {
