@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from openrlhf_lopti.local.config import METHODS, TrainConfig
+from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
+from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig
 from openrlhf_lopti.local.experience import make_experience
 from openrlhf_lopti.local.model import load_model, quiet_transformers
 from openrlhf_lopti.local.task import prompt_for, resolve_prompt_style, train_puzzles
@@ -40,8 +41,12 @@ from .measure import (
 from .report import format_table, plot, write_json
 
 
+# What an audit writes into --out: exactly what --overwrite removes (other files there stay).
+AUDIT_OUTPUTS = ("audit.json", "audit.png", "warmup_model", ".warmup_model.tmp-*", ".warmup_model.old-*")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="openrlhf-lopti audit", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="openrlhf-lopti audit", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="local HF checkpoint (default: build and warm up the demo model)")
     p.add_argument("--out", default=None, help="output directory (default runs/audit-<timestamp>)")
     p.add_argument("--prompts", type=int, default=32, help="puzzles in the batch (default 32)")
@@ -65,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--loss-backend", default="auto", choices=("auto", "triton", "cpp", "torch"))
-    p.add_argument("--overwrite", action="store_true", help="delete --out's contents first")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's choice)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier audit's files in --out (only those; other files stay)")  # fmt: skip
     return p
 
 
@@ -136,22 +143,22 @@ def main(argv: Optional[list] = None) -> int:
     quiet_transformers()
     for name in ("prompts", "n_samples"):
         if getattr(args, name) < 1 or (name == "n_samples" and args.n_samples < 2):
-            print(f"audit: --{name.replace('_', '-')} is too small (n-samples >= 2, prompts >= 1)", file=sys.stderr)
-            return 2
+            raise UserError(f"--{name.replace('_', '-')} is too small (n-samples >= 2, prompts >= 1)")
     if args.param_grad_tokens < 0:
-        print("audit: --param-grad-tokens must be >= 0", file=sys.stderr)
-        return 2
+        raise UserError("--param-grad-tokens must be >= 0")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or any(m not in METHODS for m in methods):
-        print(f"audit: --methods must be a subset of {','.join(METHODS)}, got {args.methods!r}", file=sys.stderr)
-        return 2
+        raise UserError(f"--methods must be a subset of {','.join(METHODS)}, got {args.methods!r}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = Path(args.out or time.strftime("runs/audit-%Y%m%d-%H%M%S"))
+    inputs = [("--model", args.model), ("--checkpoint", getattr(args, "checkpoint", None))]
+    out = check_run_dir(out, resume=False, overwrite=args.overwrite, names=AUDIT_OUTPUTS, can_resume=False,
+                        inputs=inputs)  # fmt: skip
     try:
-        out = check_run_dir(out, resume=False, overwrite=args.overwrite)
         result = run_audit(args, out)
-    except ValueError as e:
-        print(f"audit: {e}", file=sys.stderr)
-        return 2
+    except ConfigError as e:  # the update's settings come from audit's flags, which carry the field's name
+        raise UserError("--" + e.field.replace("_", "-") + str(e)[len(e.field) :]) from None
     write_json(result, out / "audit.json")
     plot(result, out / "audit.png")
     print(format_table(result))
@@ -160,4 +167,4 @@ def main(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("openrlhf-lopti audit", main, sys.argv[1:]))
