@@ -2,7 +2,9 @@
 
 The math is :func:`openrlhf_lopti.algo.policy_loss_from_logits` (the ``"torch"`` backend); ``"triton"`` and
 ``"cpp"`` compute the same per-token outputs without an fp32 ``[N, V]`` copy of the logits. Every input
-is checked here, once, before any backend runs, so a kernel never sees a bad index or a NaN it did not make.
+is checked here, once, before any backend runs, so a kernel never sees a bad index or a NaN it did not make;
+the logits' values excepted: reading ``[N, V]`` twice would cost as much as the loss, so each backend flags
+rows holding NaN / +inf in the pass it makes anyway, and the ``ValueError`` comes right after the forward.
 """
 
 import math
