@@ -55,7 +55,11 @@ def test_gpu_only_names_raise_a_clear_error():
     from flash_attn.utils.distributed import all_gather
 
     with pytest.raises(RuntimeError, match="needs the GPU stack"):
-        vllm.SamplingParams(temperature=1.0)
+        vllm.AsyncLLMEngine(None)
+    # SamplingParams is a record of the settings (the --cpu rollout engine reads it): an unknown one is an error
+    assert vllm.SamplingParams(temperature=0.7, max_tokens=4).temperature == 0.7
+    with pytest.raises(TypeError, match="temprature"):
+        vllm.SamplingParams(temprature=0.7)
     with pytest.raises(RuntimeError, match="needs the GPU stack"):
         all_gather(torch.zeros(1), None)
     with pytest.raises(AttributeError, match="CPU stand-in"):
