@@ -13,6 +13,7 @@ from openrlhf_lopti.audit.measure import (
     bin_index,
     correct_direction,
     logit_grad_norms,
+    make_optimizer,
     param_grad_norms,
     per_bin_mean,
 )
@@ -21,6 +22,7 @@ from openrlhf_lopti.local.config import METHODS, TrainConfig
 from openrlhf_lopti.local.experience import Experience
 from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer, save_model
 from openrlhf_lopti.local.rollout import generate_rollouts, response_logits, response_logprobs
+from openrlhf_lopti.local.trainer import LocalTrainer
 from openrlhf_lopti.local.task import compact_prompt, puzzles
 
 
@@ -103,7 +105,7 @@ def test_correct_direction_leaves_the_model_alone(setup):
         # among positive tokens, most log-probs rise after an SGD step on this small batch
         assert (deltas[m][positive] > 0).float().mean() > 0.5
     zero = TrainConfig.from_dict({**cfg.to_dict(), "lr": 1e-30})
-    frozen, _ = correct_direction(model, exp, zero, bins, ["grpo"], optimizer="adamw")
+    frozen, _ = correct_direction(model, exp, zero, bins, ["grpo"], optimizer="fresh-adamw")
     assert all(v == 0 or math.isnan(v) for v in frozen["grpo"])  # nothing moves: nothing counts as up
 
 
@@ -136,3 +138,70 @@ def test_audit_command_any_model_quantile_bins(tmp_path, setup):
     assert list(result["correct_direction_by_quartile"]) == ["grpo", "lopti"]
     assert result["bin_edges"][0] == 0.0 and result["bin_edges"][-1] == 1.0
     assert "|grad| params" not in format_table(result)
+
+
+def test_checkpoint_optimizer_continues_training_adamw_state():
+    """``make_optimizer("checkpoint")`` takes the moments and step count of a saved AdamW: its next step is
+    Adam's formula on those moments (written out here), not a fresh AdamW's ~lr * sign(grad); the saved
+    state is not modified, so every audited method starts from it."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    trained = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        trained.zero_grad()
+        net(torch.randn(5, 3)).pow(2).sum().backward()
+        trained.step()
+    saved = copy.deepcopy(trained.state_dict())
+    x = torch.randn(5, 3)
+    results = {}
+    for kind in ("checkpoint", "fresh-adamw"):
+        copy_net = copy.deepcopy(net)
+        opt = make_optimizer(copy_net.parameters(), kind, lr=1e-3, weight_decay=0.1, state=saved)
+        copy_net(x).pow(2).sum().backward()
+        grads = [p.grad.clone() for p in copy_net.parameters()]
+        opt.step()
+        results[kind] = [new.detach() - old.detach() for new, old in zip(copy_net.parameters(), net.parameters())]
+    beta1, beta2, eps, lr, wd = 0.9, 0.999, 1e-8, 1e-3, 0.1
+    for i, (param, g) in enumerate(zip(net.parameters(), grads)):
+        state = saved["state"][i]
+        t = float(state["step"]) + 1
+        m = beta1 * state["exp_avg"] + (1 - beta1) * g
+        v = beta2 * state["exp_avg_sq"] + (1 - beta2) * g * g
+        expected = -lr * wd * param.detach() - lr * (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps)
+        torch.testing.assert_close(results["checkpoint"][i], expected, rtol=1e-4, atol=1e-8)
+        fresh = -lr * wd * param.detach() - lr * g / (g.abs() + eps)  # first step: m/sqrt(v) = sign(g)
+        torch.testing.assert_close(results["fresh-adamw"][i], fresh, rtol=1e-4, atol=1e-8)
+    assert all(torch.equal(saved["state"][i]["exp_avg"], trained.state_dict()["state"][i]["exp_avg"]) for i in (0, 1))
+    with pytest.raises(ValueError, match="checkpoint"):
+        make_optimizer(net.parameters(), "checkpoint", lr=1e-3)
+    with pytest.raises(ValueError, match="optimizer"):
+        make_optimizer(net.parameters(), "adam", lr=1e-3)
+
+
+def test_audit_command_from_a_training_checkpoint(tmp_path, setup, capsys):
+    model, tok, _, _ = setup
+    save_model(model, tok, tmp_path / "m", prompt_style="compact")
+    run = tmp_path / "run"
+    cfg = TrainConfig(model=str(tmp_path / "m"), out=str(run), steps=2, prompts_per_step=2, n_samples=4,
+                      max_new_tokens=8, temperature=0.9, lr=3e-3, seed=5, loss_backend="torch", progress=False)  # fmt: skip
+    LocalTrainer(cfg).run()
+    out = tmp_path / "a"
+    argv = ["audit", "--checkpoint", str(run), "--out", str(out), "--param-grad-tokens", "0", "--methods", "grpo,ar"]
+    assert cli_main(argv) == 0
+    result = json.loads((out / "audit.json").read_text())
+    assert result["checkpoint"] == {"run_dir": str(run), "step": 2, "run_seed": 5}
+    settings = result["settings"]
+    assert settings["optimizer"] == "checkpoint" and settings["lr"] == 3e-3 and settings["temperature"] == 0.9
+    assert (settings["prompts"], settings["n_samples"], settings["max_new_tokens"]) == (2, 4, 8)
+    assert result["tokens"] > 0 and list(result["correct_direction_by_quartile"]) == ["grpo", "ar"]
+    assert sorted(p.name for p in run.iterdir()) == sorted(
+        ["config.json", "metrics.jsonl", "checkpoint.pt", "plots.png", "final_model"])  # fmt: skip
+    # the fresh optimizer remains available, by name
+    assert cli_main([*argv[:3], "--out", str(tmp_path / "b"), "--optimizer", "fresh-adamw", *argv[5:]]) == 0
+    assert json.loads((tmp_path / "b" / "audit.json").read_text())["settings"]["optimizer"] == "fresh-adamw"
+    capsys.readouterr()
+    assert cli_main(["audit", "--checkpoint", str(tmp_path / "m"), "--out", str(tmp_path / "c")]) == 2
+    assert "checkpoint.pt" in capsys.readouterr().err
+    assert cli_main(["audit", "--checkpoint", str(run), "--model", str(tmp_path / "m")]) == 2
+    assert cli_main(["audit", "--optimizer", "checkpoint", "--out", str(tmp_path / "d")]) == 2
+    assert "--checkpoint" in capsys.readouterr().err

@@ -11,9 +11,16 @@ Writes ``audit.json`` (``grad_norm_by_quartile``, ``param_grad_norm_by_quartile`
 ``correct_direction_by_quartile`` = {method: 4 fractions}, counts, edges, settings) and ``audit.png``
 into ``--out`` and prints the table. Without ``--model`` it first builds and warms up the demo's model
 (about 20 s on 2 CPU cores) into ``--out/warmup_model``.
+
+``--checkpoint RUN_DIR`` audits a ``train`` run where it stands: the checkpointed weights, the batch the
+run would sample next, and an update with the run's own AdamW state (``--optimizer checkpoint``), i.e. the
+update training would make. Without it the update uses a fresh AdamW (``--optimizer fresh-adamw``: its
+first step is about ``lr * sign(grad)`` per parameter, which erases the gradient-size imbalance the paper
+is about) or SGD.
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,10 +33,12 @@ from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig
 from openrlhf_lopti.local.experience import make_experience
 from openrlhf_lopti.local.model import load_model, quiet_transformers
 from openrlhf_lopti.local.task import prompt_for, resolve_prompt_style, train_puzzles
-from openrlhf_lopti.local.trainer import check_run_dir, resolve_device
+from openrlhf_lopti.local.checkpoint import CHECKPOINT_FILE
+from openrlhf_lopti.local.trainer import FINAL_MODEL_DIR, check_run_dir, resolve_device
 from openrlhf_lopti.local.warmup import build_warm_model
 
 from .measure import (
+    OPTIMIZERS,
     bin_edges,
     bin_index,
     correct_direction,
@@ -48,18 +57,24 @@ AUDIT_OUTPUTS = ("audit.json", "audit.png", "warmup_model", ".warmup_model.tmp-*
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="openrlhf-lopti audit", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="local HF checkpoint (default: build and warm up the demo model)")
+    p.add_argument("--checkpoint", default=None, metavar="RUN_DIR",
+                   help="a `train` run directory: audit its checkpointed weights with its AdamW state, on the batch "
+                   "the run would sample next, with the run's sizes and temperature unless given")  # fmt: skip
     p.add_argument("--out", default=None, help="output directory (default runs/audit-<timestamp>)")
-    p.add_argument("--prompts", type=int, default=32, help="puzzles in the batch (default 32)")
-    p.add_argument("--n-samples", type=int, default=8, help="responses per puzzle (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default 20 for the demo model, else 512")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--people", default="2", help="comma-separated K&K sizes (default 2)")
+    p.add_argument("--prompts", type=int, default=None, help="puzzles in the batch (default 32; the run's)")
+    p.add_argument("--n-samples", type=int, default=None, help="responses per puzzle (default 8; the run's)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default 20 for the demo model, else 512; the run's")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=None, help="default 0.7; the run's")
+    p.add_argument("--people", default=None, help="comma-separated K&K sizes (default 2; the run's)")
     p.add_argument("--prompt-style", default="auto", choices=("auto", "compact", "chat", "text"))
-    p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate of the one update (default 5e-4)")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
-                   help="optimizer of the one update: adamw (the trainer's; a fresh one's first step is "
-                   "lr * sign(grad)) or sgd (the raw gradient direction)")  # fmt: skip
-    p.add_argument("--eta", type=float, default=0.5, help="Lopti threshold")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate of the one update (default 5e-4; with --checkpoint the run's)")  # fmt: skip
+    p.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
+                   help="optimizer of the one update: checkpoint (training's AdamW state; the default with "
+                   "--checkpoint), fresh-adamw (a new AdamW, whose first step is about lr * sign(grad); the default "
+                   "otherwise) or sgd (the raw gradient direction)")  # fmt: skip
+    p.add_argument("--eta", type=float, default=None, help="Lopti threshold (default 0.5; the run's)")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods to update with")
     p.add_argument("--bins", default="fixed", choices=("fixed", "quantile"),
                    help="fixed: p in [0,.25) [.25,.5) [.5,.75) [.75,1]; quantile: equal token counts")  # fmt: skip
@@ -76,28 +91,77 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Settings of the audited batch and update when neither a flag nor a checkpointed run gives them.
+DEFAULTS = {"prompts": 32, "n_samples": 8, "temperature": 0.7, "people": [2], "lr": 5e-4, "eta": 0.5}
+
+
+def load_checkpointed_run(run_dir: str | os.PathLike, device: torch.device) -> tuple:
+    """``(model, tokenizer, prompt style, run config, checkpoint payload)`` of a ``train`` run directory:
+    the model (float32) carries the checkpoint's weights; the payload holds the AdamW state and step.
+
+    Reads ``checkpoint.pt`` without touching the directory, so a run still training is safe to audit.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / CHECKPOINT_FILE
+    if not path.is_file():
+        raise UserError(f"--checkpoint {str(run_dir)!r}: no {CHECKPOINT_FILE} in it (not a `train` run directory, "
+                         "or a run that has not saved a checkpoint yet)")  # fmt: skip
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    run_cfg = TrainConfig.from_dict(ckpt["config"])
+    # The architecture and tokenizer come from the run's starting model, or from its final model if that moved.
+    base = Path(run_cfg.model) if Path(run_cfg.model).is_dir() else run_dir / FINAL_MODEL_DIR
+    if not base.is_dir():
+        raise UserError(f"--checkpoint {str(run_dir)!r}: its starting model {run_cfg.model!r} is gone and the run "
+                         f"has no {FINAL_MODEL_DIR}/ to take the architecture from")  # fmt: skip
+    model, tokenizer, style = load_model(base, device)
+    model.load_state_dict(ckpt["model"])
+    return model, tokenizer, style, run_cfg, ckpt
+
+
 def run_audit(args: argparse.Namespace, out: Path) -> dict:
     """Everything but the argument handling: returns the result dict (also written to ``out``)."""
     device = resolve_device(args.device)
-    model_path = args.model
-    if model_path is None:
-        model_path = str(out / "warmup_model")
-        print(f"audit: no --model, building and warming up the demo model into {model_path}")
-        build_warm_model(model_path, args.seed, args.warmup_steps, args.warmup_target, device=device, progress=False)
-    model, tokenizer, style = load_model(model_path, device)
+    defaults, optimizer_state, batch_step, run_seed = dict(DEFAULTS), None, 0, args.seed
+    if args.checkpoint:
+        model, tokenizer, style, run_cfg, ckpt = load_checkpointed_run(args.checkpoint, device)
+        model_path = run_cfg.model
+        defaults.update(
+            prompts=run_cfg.prompts_per_step, n_samples=run_cfg.n_samples, temperature=run_cfg.temperature,
+            people=run_cfg.people, eta=run_cfg.eta, max_new_tokens=run_cfg.max_new_tokens,
+            lr=ckpt["optimizer"]["param_groups"][0]["lr"],
+        )  # fmt: skip
+        style = style if args.prompt_style != "auto" or run_cfg.prompt_style == "auto" else run_cfg.prompt_style
+        # The batch the run would sample next, and the moments its AdamW has now.
+        optimizer_state, batch_step, run_seed = ckpt["optimizer"], ckpt["step"], run_cfg.seed
+        weight_decay = run_cfg.weight_decay
+    else:
+        model_path = args.model
+        if model_path is None:
+            model_path = str(out / "warmup_model")
+            print(f"audit: no --model, building and warming up the demo model into {model_path}")
+            build_warm_model(model_path, args.seed, args.warmup_steps, args.warmup_target, device=device,
+                             progress=False)  # fmt: skip
+        model, tokenizer, style = load_model(model_path, device)
+        weight_decay = 0.0
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if isinstance(args.people, str):
+        args.people = [int(x) for x in args.people.split(",") if x]
+    args.optimizer = args.optimizer or ("checkpoint" if args.checkpoint else "fresh-adamw")
     style = resolve_prompt_style(args.prompt_style, tokenizer, style)
     max_new = args.max_new_tokens or (20 if style == "compact" else 512)
-    people = [int(x) for x in args.people.split(",") if x]
+    people = args.people
     cfg = TrainConfig(
         model=str(model_path), out=str(out), prompts_per_step=args.prompts, n_samples=args.n_samples,
         max_new_tokens=max_new, temperature=args.temperature, people=people, prompt_style=style, lr=args.lr,
-        eta=args.eta, kl_coef=0.0, seed=args.seed, device=str(device), loss_backend=args.loss_backend,
-        mini_batch_size=args.prompts * args.n_samples, progress=False,
+        weight_decay=weight_decay, eta=args.eta, kl_coef=0.0, seed=args.seed, device=str(device),
+        loss_backend=args.loss_backend, mini_batch_size=args.prompts * args.n_samples, progress=False,
     )  # fmt: skip
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
 
     torch.manual_seed(args.seed)
-    records = train_puzzles(args.seed, 0, args.prompts, people)
+    records = train_puzzles(run_seed, batch_step, args.prompts, people)
     prompts = [prompt_for(r, style, tokenizer) for r in records]
     exp = make_experience(model, None, tokenizer, records, prompts, cfg)
     rows = exp.rollout.action_mask
@@ -124,7 +188,7 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
         norms = param_grad_norms(model, exp, cfg, picked.to(bins.device))
         result["param_grad_norm_by_quartile"] = per_bin_mean(norms, bins[picked.to(bins.device)].cpu())
         result["param_grad_tokens_by_quartile"] = [int((bins[picked] == k).sum()) for k in range(4)]
-    fractions, _ = correct_direction(model, exp, cfg, bins, methods, args.optimizer)
+    fractions, _ = correct_direction(model, exp, cfg, bins, methods, args.optimizer, optimizer_state)
     result["correct_direction_by_quartile"] = fractions
     result["batch"] = {
         "reward": float(exp.rewards.mean()),
@@ -135,15 +199,21 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
         k: getattr(args, k)
         for k in ("prompts", "n_samples", "temperature", "optimizer", "lr", "eta", "seed", "param_grad_tokens")
     } | {"max_new_tokens": max_new, "people": people, "prompt_style": style, "alpha_ar": METHODS["ar"][0]}
+    if args.checkpoint:
+        result["checkpoint"] = {"run_dir": str(args.checkpoint), "step": batch_step, "run_seed": run_seed}
     return result
 
 
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_transformers()
-    for name in ("prompts", "n_samples"):
-        if getattr(args, name) < 1 or (name == "n_samples" and args.n_samples < 2):
-            raise UserError(f"--{name.replace('_', '-')} is too small (n-samples >= 2, prompts >= 1)")
+    for name, least in (("prompts", 1), ("n_samples", 2)):
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            raise UserError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
+    if args.checkpoint and args.model:
+        raise UserError("give --model or --checkpoint, not both")
+    if args.optimizer == "checkpoint" and not args.checkpoint:
+        raise UserError("--optimizer checkpoint needs --checkpoint RUN_DIR (a `train` run directory)")
     if args.param_grad_tokens < 0:
         raise UserError("--param-grad-tokens must be >= 0")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -139,24 +139,54 @@ def logprobs_fp64(model, exp: Experience, temperature: float) -> torch.Tensor:
     return logp
 
 
+OPTIMIZERS = ("checkpoint", "fresh-adamw", "sgd")
+
+
+def make_optimizer(params, kind: str, lr: float, weight_decay: float = 0.0, state: Optional[dict] = None):
+    """The optimizer of one audited update: ``"checkpoint"`` = AdamW restored from ``state`` (a training
+    checkpoint's ``optimizer.state_dict()``: its moments, step counts and hyper-parameters, lr replaced by
+    ``lr``), ``"fresh-adamw"`` = a new AdamW, ``"sgd"`` = plain SGD."""
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kind!r}")
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if kind == "checkpoint":
+        if state is None:
+            raise ValueError("optimizer 'checkpoint' needs the checkpoint's optimizer state")
+        opt.load_state_dict(copy.deepcopy(state))  # a copy: every method starts from the same moments
+        for group in opt.param_groups:
+            group["lr"] = lr
+    return opt
+
+
 def correct_direction(
-    model, exp: Experience, cfg: TrainConfig, bins: torch.Tensor, methods: list, optimizer: str = "adamw"
+    model,
+    exp: Experience,
+    cfg: TrainConfig,
+    bins: torch.Tensor,
+    methods: list,
+    optimizer: str = "fresh-adamw",
+    optimizer_state: Optional[dict] = None,
 ) -> tuple:
     """Per method, the fraction of positive-advantage tokens in each bin whose probability rose after one
     update from ``model``'s weights (``model`` itself is not changed).
 
-    Each method gets a fresh copy of the weights and a fresh optimizer (``"adamw"``, the trainer's, or
-    ``"sgd"``; lr ``cfg.lr``) and runs :func:`openrlhf_lopti.local.update.update_policy` with the whole
-    batch as one mini-batch: GRPO and AR take one optimizer step, Lopti two (low phase, then high phase).
-    A fresh AdamW's first step is about ``lr * sign(grad)`` per parameter; SGD follows the gradient
-    itself (then, to first order in lr, Lopti's two steps add up to GRPO's one). Probabilities before and
-    after are compared in float64 (:func:`logprobs_fp64`).
+    Each method gets a fresh copy of the weights and its own optimizer (:func:`make_optimizer`, lr
+    ``cfg.lr``): ``"checkpoint"`` restores training's AdamW state (``optimizer_state``), ``"fresh-adamw"``
+    starts a new one, ``"sgd"`` follows the raw gradient. It runs
+    :func:`openrlhf_lopti.local.update.update_policy` with the whole batch as one mini-batch: GRPO and AR
+    take one optimizer step, Lopti two (low phase, then high phase). A fresh AdamW's first step is about
+    ``lr * sign(grad)`` per parameter, which erases the per-parameter gradient-size imbalance the paper
+    is about; SGD keeps it (then, to first order in lr, Lopti's two steps add up to GRPO's one); training's
+    own AdamW state is what a training step sees. Probabilities before and after are compared in float64
+    (:func:`logprobs_fp64`).
 
     Returns:
         ``({method: [4 fractions, NaN for a bin without positive tokens]}, {method: [N] log-prob change})``.
     """
-    if optimizer not in ("sgd", "adamw"):
-        raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     positive = exp.advantages[exp.rollout.action_mask] > 0
     before = logprobs_fp64(model, exp, cfg.temperature)
     fractions, deltas = {}, {}
@@ -164,10 +194,7 @@ def correct_direction(
         settings = {**cfg.to_dict(), **method_settings(method), "mini_batch_size": len(exp.rollout), "epochs": 1}
         method_cfg = TrainConfig.from_dict(settings)
         policy = copy.deepcopy(model)
-        if optimizer == "sgd":
-            opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)
-        else:
-            opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        opt = make_optimizer(policy.parameters(), optimizer, cfg.lr, cfg.weight_decay, optimizer_state)
         update_policy(policy, opt, exp, method_cfg, torch.Generator().manual_seed(cfg.seed))
         delta = logprobs_fp64(policy, exp, cfg.temperature) - before
         fractions[method] = per_bin_mean((delta > 0).float(), bins, positive)
