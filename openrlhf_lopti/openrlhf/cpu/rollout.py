@@ -53,6 +53,23 @@ class RequestOutput:
     outputs: List[CompletionOutput]
 
 
+def _has_stop(text: str, stop_strings: List[str]) -> bool:
+    return any(stop in text for stop in stop_strings)
+
+
+class _StopStringsInCompletion:
+    """A ``generate`` stopping criterion: a row is done once its completion's text (vLLM looks at the generated
+    text only; Hugging Face's ``stop_strings`` also matches across the prompt's end) contains a stop string."""
+
+    def __init__(self, tokenizer, stop_strings: List[str], prompt_width: int, skip_special_tokens: bool):
+        self.tokenizer, self.stop_strings = tokenizer, stop_strings
+        self.prompt_width, self.skip = prompt_width, skip_special_tokens
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_width :], skip_special_tokens=self.skip)
+        return torch.tensor([_has_stop(text, self.stop_strings) for text in texts], device=input_ids.device)
+
+
 def _sampling_key(params) -> tuple:
     """Sampling settings that must be equal for two requests to share a ``generate`` call."""
     stop = params.stop if isinstance(params.stop, (list, tuple)) else [params.stop] if params.stop else []
@@ -136,6 +153,7 @@ class CPURolloutActor(RolloutRayActor.__ray_actor_class__):
         if max_tokens is None:  # vLLM: up to the context window
             max_tokens = (self.max_model_len or self.model.config.max_position_embeddings) - width
         stop_strings = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        skip = params.skip_special_tokens
         sample = params.temperature > 0
         out = self.model.generate(
             input_ids=input_ids,
@@ -149,8 +167,7 @@ class CPURolloutActor(RolloutRayActor.__ray_actor_class__):
             min_new_tokens=int(params.min_tokens or 0) or None,
             eos_token_id=stop_ids or None,
             pad_token_id=pad,
-            stop_strings=stop_strings or None,
-            tokenizer=tokenizer if stop_strings else None,
+            stopping_criteria=[_StopStringsInCompletion(tokenizer, stop_strings, width, skip)] if stop_strings else None,
             output_scores=params.logprobs is not None,
             return_dict_in_generate=True,
         )
@@ -159,17 +176,15 @@ class CPURolloutActor(RolloutRayActor.__ray_actor_class__):
         logprobs = torch.stack(out.scores, 1).float().log_softmax(-1) if params.logprobs is not None else None
         results = []
         for row, prompt in enumerate(prompts):
-            tokens = new_tokens[row].tolist()
-            finish = "length"
+            tokens, finish = new_tokens[row].tolist(), "length"
             for i, token in enumerate(tokens):
-                if token in stop_ids:
+                if token in stop_ids or _has_stop(tokenizer.decode(tokens[: i + 1], skip_special_tokens=skip), stop_strings):
                     tokens, finish = tokens[: i + 1], "stop"  # vLLM keeps the eos / stop token in token_ids
                     break
-            text = tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
+            text = tokenizer.decode(tokens, skip_special_tokens=skip)
             for stop in stop_strings:
                 at = text.find(stop)
                 if at >= 0:
-                    finish = "stop"
                     text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
             token_logprobs = None
             if logprobs is not None:
