@@ -18,6 +18,7 @@ COMMANDS = {
     "demo": ("openrlhf_lopti.local.demo", "tiny model, warm-up, then GRPO / +AR / +Lopti / +AR+Lopti side by side"),
     "train": ("openrlhf_lopti.local.cli", "one-process GRPO / REINFORCE++ trainer with AR and Lopti"),
     "audit": ("openrlhf_lopti.audit.cli", "token-probability diagnostics (paper Fig. 1d and Fig. 3)"),
+    "study": ("openrlhf_lopti.audit.study", "seeds x methods on one setting, with 95% confidence intervals"),
     "eval": ("openrlhf_lopti.tasks.evaluate", "accuracy of generations per K&K size / math benchmark"),
     "data": ("openrlhf_lopti.tasks.data", "write OpenRLHF prompt datasets (K&K, math)"),
     "bench": ("benchmarks.bench_policy_loss", "benchmark the fused policy loss against OpenRLHF's path"),

@@ -74,6 +74,8 @@ def supervised_warmup(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     valid = puzzles(VALID_SEED_BASE, 0, valid_size, people) if target_accuracy > 0 else []
     valid_prompts = [compact_prompt(r) for r in valid]
+    # The ideal response is 5 + 5 * people tokens with its eos (2 people: 15); room for a few more.
+    budget = max(24, 5 * max(people) + 9)
     result = WarmupResult()
     bar = tqdm(total=max_steps, desc="warm-up", disable=not progress)
     model.train()
@@ -89,7 +91,7 @@ def supervised_warmup(
         bar.update(1)
         bar.set_postfix(loss=f"{result.losses[-1]:.3f}")
         if valid and result.steps % check_every == 0:
-            accuracy = greedy_eval(model, tokenizer, valid, valid_prompts, max_new_tokens=24)["accuracy"]
+            accuracy = greedy_eval(model, tokenizer, valid, valid_prompts, max_new_tokens=budget)["accuracy"]
             result.checks.append((result.steps, accuracy))
             model.train()
             if accuracy >= target_accuracy:
@@ -106,16 +108,19 @@ def build_warm_model(
     people: Sequence[int] = (2,),
     device: str = "cpu",
     progress: bool = True,
+    hidden_size: int = 128,
+    num_layers: int = 2,
 ) -> dict:
-    """Build the demo's tiny model and tokenizer, warm it up, and save both to ``path`` (a HF checkpoint
-    whose prompt style is "compact"). Returns facts for the record: ``warmup_steps``,
+    """Build the demo's tiny model (``hidden_size``, ``num_layers``: see :func:`.model.build_tiny_llama`) and
+    tokenizer, warm it up, and save both to ``path`` (a HF checkpoint whose prompt style is "compact").
+    Returns facts for the record: ``warmup_steps``,
     ``warmup_final_loss`` (mean of the last 10 steps, nats/token), ``warmup_validation_checks``,
     ``warmup_seconds``, ``parameters``."""
     import time
 
     t0 = time.perf_counter()
     tokenizer = build_word_tokenizer()
-    model = build_tiny_llama(tokenizer, seed=seed).to(device)
+    model = build_tiny_llama(tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed).to(device)
     torch.manual_seed(seed)
     result = supervised_warmup(
         model, tokenizer, max_steps, target_accuracy=target_accuracy, people=people, seed=seed, progress=progress

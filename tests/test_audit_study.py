@@ -1,0 +1,108 @@
+"""`openrlhf-lopti study`: confidence intervals (t quantiles from a table), per-run summaries, the folder rules,
+and the command end to end with tiny settings (subprocesses, resume)."""
+
+import json
+import math
+
+import pytest
+
+from openrlhf_lopti.__main__ import main as cli_main
+from openrlhf_lopti.audit.stats import format_ci, mean_ci, paired_differences, t_quantile
+from openrlhf_lopti.audit.study import RUN_DONE_FILE, SETTINGS_FILE, open_study, run_summary
+
+# Two-sided 95% critical values of Student's t (any statistics table).
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 9: 2.262, 19: 2.093, 29: 2.045, 100: 1.984}
+
+
+def test_t_quantile_matches_the_table():
+    for df, want in T_975.items():
+        assert t_quantile(0.975, df) == pytest.approx(want, abs=1e-3), df
+    assert t_quantile(0.95, 10) == pytest.approx(1.812, abs=1e-3)
+    assert t_quantile(0.995, 4) == pytest.approx(4.604, abs=1e-3)
+    with pytest.raises(ValueError, match="prob"):
+        t_quantile(0.4, 3)
+
+
+def test_mean_ci_by_hand():
+    ci = mean_ci([1.0, 2.0, 3.0, 4.0, 5.0])
+    half = 2.776 * math.sqrt(2.5) / math.sqrt(5)  # sd^2 = 10 / 4
+    assert ci["mean"] == 3.0 and ci["n"] == 5
+    assert ci["lo"] == pytest.approx(3.0 - half, abs=1e-3) and ci["hi"] == pytest.approx(3.0 + half, abs=1e-3)
+    one = mean_ci([0.4, float("nan"), None])
+    assert one["mean"] == 0.4 and one["n"] == 1 and one["lo"] is None  # no interval from one value
+    assert mean_ci([])["mean"] is None and format_ci(mean_ci([])) == "-"
+    assert format_ci(mean_ci([0.5, 0.7]), ".2f") == "0.60 [-0.67, 1.87]"  # t(1) = 12.706, sd/sqrt(2) = 0.1
+    assert paired_differences({0: 0.5, 1: 0.7, 2: 0.9}, {0: 0.4, 1: 0.8, 3: 0.1}) == pytest.approx([0.1, -0.1])
+
+
+def test_run_summary_pools_direction_counts_over_steps():
+    rows = [
+        {"step": 1, "reward": -1.0, "low_token_fraction": 0.2, "direction/pos_up_q4": 0.5,
+         "direction/pos_tokens_q4": 10.0, "direction/tokens_q4": 30.0, "direction/tokens_q1": 10.0},
+        {"step": 2, "reward": 1.0, "low_token_fraction": 0.1, "direction/pos_up_q4": 1.0,
+         "direction/pos_tokens_q4": 30.0, "direction/tokens_q4": 40.0, "direction/tokens_q1": 20.0,
+         "eval_accuracy": 0.25},
+    ]  # fmt: skip
+    s = run_summary(rows)
+    assert s["pos_up_q4"] == pytest.approx((5 + 30) / 40)  # pooled, not the mean of 0.5 and 1.0
+    assert s["pos_up_q1"] is None and s["neg_down_q4"] is None  # no positive / negative tokens there
+    assert s["eval_accuracy"] == 0.25 and s["reward_last"] == 1.0 and s["reward_first"] == -1.0
+    assert s["token_share_by_bin"] == pytest.approx([0.3, 0.0, 0.0, 0.7])
+    assert s["low_token_fraction"] == pytest.approx(0.15)
+
+
+def test_a_different_study_is_refused_and_overwrite_removes_only_its_files(tmp_path):
+    out = tmp_path / "s"
+    (out / "runs" / "grpo").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="no study_settings.json"):
+        open_study(out, {"steps": 3}, overwrite=False)
+    open_study(out, {"steps": 3}, overwrite=True)
+    assert not (out / "runs").exists() and (out / "notes.txt").read_text() == "mine"
+    (out / "runs").mkdir()
+    open_study(out, {"steps": 3}, overwrite=False)  # the same study: resumed, nothing removed
+    assert (out / "runs").exists()
+    with pytest.raises(ValueError, match="different study.*steps"):
+        open_study(out, {"steps": 4}, overwrite=False)
+    open_study(out, {"steps": 4}, overwrite=True)
+    assert json.loads((out / SETTINGS_FILE).read_text()) == {"steps": 4} and not (out / "runs").exists()
+
+
+TINY = ["--seeds", "2", "--methods", "grpo,ar", "--steps", "2", "--prompts-per-step", "2", "--n-samples", "2",
+        "--eval-prompts", "4", "--warmup-steps", "3", "--warmup-target", "0", "--people", "2", "--hidden-size", "16",
+        "--num-layers", "1", "--no-progress", "--loss-backend", "torch"]  # fmt: skip
+
+
+def test_study_end_to_end_and_resume(tmp_path, capsys):
+    out = tmp_path / "study"
+    assert cli_main(["study", "--out", str(out), *TINY]) == 0
+    printed = capsys.readouterr().out
+    assert "6 of 6 jobs to run" in printed and "| grpo |" in printed and "| ar |" in printed
+    result = json.loads((out / "study.json").read_text())
+    assert result["seeds"] == [0, 1] and result["methods"] == ["grpo", "ar"]
+    for method in ("grpo", "ar"):
+        assert result["per_method"][method]["eval_accuracy"]["n"] == 2
+        for seed in (0, 1):
+            rows = [json.loads(x) for x in (out / "runs" / method / f"seed{seed}" / "metrics.jsonl").open()]
+            assert [r["step"] for r in rows] == [1, 2] and all("direction/tokens_q4" in r for r in rows)
+            assert result["runs"][method][str(seed)]["reward_last"] == rows[-1]["reward"]
+    grpo, ar = (result["runs"][m] for m in ("grpo", "ar"))
+    diffs = [ar[s]["reward_last"] - grpo[s]["reward_last"] for s in ("0", "1")]
+    assert result["paired_vs_grpo"]["ar"]["reward_last"]["mean"] == pytest.approx(sum(diffs) / 2)
+    assert (out / "study.png").stat().st_size > 0 and "Paired differences" in (out / "study.md").read_text()
+
+    # Run again: nothing to do. Then a run that lost its finish mark (killed after its last checkpoint)
+    # is continued with `train --resume`, not redone.
+    assert cli_main(["study", "--out", str(out), *TINY]) == 0
+    assert "0 of 6 jobs to run" in capsys.readouterr().out
+    run = out / "runs" / "ar" / "seed1"
+    (run / RUN_DONE_FILE).unlink()
+    before = (run / "metrics.jsonl").read_text()
+    assert cli_main(["study", "--out", str(out), *TINY]) == 0
+    assert "1 of 6 jobs to run" in capsys.readouterr().out
+    assert (run / RUN_DONE_FILE).exists() and (run / "metrics.jsonl").read_text() == before
+    assert (out / "logs" / "ar-seed1.log").read_text().split("$ ")[-1].split("\n")[0].endswith("--resume")
+
+    # A different setting in the same folder is refused.
+    assert cli_main(["study", "--out", str(out), *TINY, "--lr", "0.1"]) == 2
+    assert "different study" in capsys.readouterr().err
