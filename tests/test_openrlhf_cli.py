@@ -3,7 +3,6 @@
 import importlib.machinery
 import importlib.util
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +13,7 @@ from openrlhf_lopti.cli import train_ppo_ray as cli
 from openrlhf_lopti.openrlhf.cpu.stubs import STUB_MARKER
 from openrlhf_lopti.openrlhf.flags import check_config, fused_backend, lopti_config
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted((REPO / "examples" / "scripts").glob("*.sh"))
-MODULE = "openrlhf_lopti.cli.train_ppo_ray"
+from .scripts import MODULE, REPO, SCRIPTS, script_launch
 # The least a valid upstream invocation needs (no reward model: the remote reward file stands in).
 BASE = ["--actor.model_name_or_path", "m", "--reward.remote_url", "reward.py"]
 
@@ -126,43 +123,9 @@ def test_missing_main_block_is_reported_with_the_file(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- example scripts
-RECORDER = """#!/usr/bin/env bash
-# stands in for python3 / ray: records its arguments, one NUL-terminated file per call
-printf '%s\\0' "$@" > "$ARGV_DIR/$(date +%s%N)-$$"
-"""
-
-
 def trainer_argv(script: Path, tmp_path: Path) -> list:
     """The arguments ``script`` passes to ``openrlhf_lopti.cli.train_ppo_ray``, captured without launching."""
-    recorder = tmp_path / "record"
-    recorder.write_text(RECORDER)
-    recorder.chmod(recorder.stat().st_mode | stat.S_IEXEC)
-    argv_dir = tmp_path / "argv"
-    argv_dir.mkdir()
-    data = tmp_path / "data"
-    data.mkdir()
-    for name in ("train.jsonl", "test.jsonl", "math500.jsonl"):
-        (data / name).write_text("{}\n")
-    env = dict(
-        os.environ,
-        ARGV_DIR=str(argv_dir),
-        PYTHON=str(recorder),
-        RAY=str(recorder),
-        DATA_DIR=str(data),
-        TRAIN_DATA=str(data / "train.jsonl"),
-        EVAL_DATA=str(data / "math500.jsonl"),
-        REWARD_FILE="reward.py",
-        HEAD_IP="127.0.0.1",
-        SAVE_DIR=str(tmp_path / "ckpt"),
-    )
-    role = ["submit"] if script.name.startswith("multinode") else []
-    result = subprocess.run(["bash", str(script), *role], env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    calls = [path.read_bytes().split(b"\0")[:-1] for path in sorted(argv_dir.iterdir())]
-    calls = [[arg.decode() for arg in call] for call in calls]
-    launches = [call for call in calls if MODULE in call]
-    assert len(launches) == 1, calls
-    return launches[0][launches[0].index(MODULE) + 1 :]
+    return script_launch(script, tmp_path)[1]
 
 
 def test_there_are_scripts_for_every_variant():
@@ -203,3 +166,17 @@ def test_example_script_flags_parse_with_our_parser(script, tmp_path):
     assert args.data.input_key == "prompt" and args.data.label_key == "label" and args.data.apply_chat_template
     if name.startswith("multinode"):
         assert args.actor.num_nodes == 2 and args.vllm.num_engines * args.vllm.tensor_parallel_size == 16
+    # K&K: the best checkpoint is the one of the best accuracy over all sizes (LoptiPPOTrainer's eval_score),
+    # not upstream's default, the first *_pass1 key: the 3-person mean reward
+    assert args.ckpt.best_metric_key == ("eval_score" if "kk" in name else "")
+    assert not args.cpu and args.ds.packing_samples and "flash" in args.ds.attn_implementation
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[script.name for script in SCRIPTS])
+def test_example_scripts_take_cpu_model_and_shrink_flags(script, tmp_path):
+    program, argv = script_launch(script, tmp_path, "--rollout.max_new_tokens", "16", env={"CPU": "1", "MODEL": "/models/tiny"})
+    if script.name.startswith("multinode"):
+        assert program == str(tmp_path / "record")  # the job command runs $PYTHON, like the rest of the script
+    args = cli.parse_args(argv)
+    assert args.cpu and args.actor.model_name_or_path == "/models/tiny" and args.rollout.max_new_tokens == 16
+    assert not args.ds.packing_samples  # flash-attn only: left out on CPU

@@ -281,7 +281,7 @@ def test_auto_on_cuda_is_triton_when_available_else_torch(monkeypatch, has_trito
     # No CUDA tensor can be made on the CPU CI: the resolver only reads `is_cuda`.
     monkeypatch.setattr(triton_module, "triton_available", lambda: has_triton)
     monkeypatch.setattr(cpp_module, "cpp_available", lambda: True)  # never chosen for CUDA tensors
-    chosen = fused_module._resolve_backend("auto", SimpleNamespace(is_cuda=True))
+    chosen = fused_module.resolve_backend("auto", SimpleNamespace(is_cuda=True))
     assert chosen == ("triton" if has_triton else "torch")
 
 

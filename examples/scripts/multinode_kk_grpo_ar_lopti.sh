@@ -17,6 +17,8 @@ NUM_NODES=${NUM_NODES:-2}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 RAY=${RAY:-ray}
 PYTHON=${PYTHON:-python3}
+RAY_PORT=${RAY_PORT:-6379}
+DASHBOARD_PORT=${DASHBOARD_PORT:-8265}
 MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct-1M}
 DATA_DIR=${DATA_DIR:-$PWD/data/kk}
 SAVE_DIR=${SAVE_DIR:-$PWD/checkpoints/kk_$(basename "$MODEL")}
@@ -24,10 +26,11 @@ RUN_NAME=${RUN_NAME:-kk_grpo_ar_lopti_${NUM_NODES}nodes}
 
 case "$ROLE" in
   head)
-    exec "$RAY" start --head --node-ip-address "$HEAD_IP" --port 6379 --dashboard-host 0.0.0.0 --num-gpus "$GPUS_PER_NODE"
+    exec "$RAY" start --head --node-ip-address "$HEAD_IP" --port "$RAY_PORT" --dashboard-host 0.0.0.0 \
+      --dashboard-port "$DASHBOARD_PORT" --num-gpus "$GPUS_PER_NODE"
     ;;
   worker)
-    exec "$RAY" start --address "$HEAD_IP:6379" --num-gpus "$GPUS_PER_NODE" --block
+    exec "$RAY" start --address "$HEAD_IP:$RAY_PORT" --num-gpus "$GPUS_PER_NODE" --block
     ;;
   submit) ;;
   *)
@@ -42,10 +45,17 @@ fi
 REWARD_FILE=${REWARD_FILE:-$("$PYTHON" -c 'import openrlhf_lopti.tasks.reward_kk as m; print(m.__file__)')}
 TOTAL_GPUS=$((NUM_NODES * GPUS_PER_NODE))
 
+# CPU=1: the same run on a machine without a GPU (--cpu: DeepSpeed on its CPU accelerator, Hugging Face generate
+# for vLLM, Ray GPUs as logical resources), minus what needs flash-attn; shrink it with extra flags (README, "--cpu").
+if [[ "${CPU:-0}" == 1 ]]; then
+  DEVICE_ARGS=(--cpu)
+else
+  DEVICE_ARGS=(--ds.attn_implementation flash_attention_2 --ds.packing_samples)
+fi
 set -x
-"$RAY" job submit --address="http://127.0.0.1:8265" \
+"$RAY" job submit --address="http://127.0.0.1:$DASHBOARD_PORT" \
   --runtime-env-json='{"env_vars": {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN"}}' \
-  -- python3 -m openrlhf_lopti.cli.train_ppo_ray \
+  -- "$PYTHON" -m openrlhf_lopti.cli.train_ppo_ray \
   --actor.model_name_or_path "$MODEL" \
   --actor.num_nodes "$NUM_NODES" \
   --actor.num_gpus_per_node "$GPUS_PER_NODE" \
@@ -59,8 +69,7 @@ set -x
   --train.colocate_all \
   --ds.zero_stage 3 \
   --ds.param_dtype bf16 \
-  --ds.attn_implementation flash_attention_2 \
-  --ds.packing_samples \
+  "${DEVICE_ARGS[@]}" \
   --actor.gradient_checkpointing_enable \
   --reward.remote_url "$REWARD_FILE" \
   --data.prompt_dataset "$DATA_DIR/train.jsonl" \
@@ -71,6 +80,7 @@ set -x
   --eval.steps 10 \
   --eval.temperature 0.7 \
   --eval.n_samples_per_prompt 1 \
+  --ckpt.best_metric_key eval_score \
   --algo.advantage.estimator group_norm \
   --rollout.batch_size 64 \
   --rollout.n_samples_per_prompt 8 \

@@ -24,6 +24,13 @@ else
   KL_ARGS=(--algo.kl.use_loss --algo.kl.init_coef 0.001 --algo.kl.estimator k3)
 fi
 
+# CPU=1: the same run on a machine without a GPU (--cpu: DeepSpeed on its CPU accelerator, Hugging Face generate
+# for vLLM, Ray GPUs as logical resources), minus what needs flash-attn; shrink it with extra flags (README, "--cpu").
+if [[ "${CPU:-0}" == 1 ]]; then
+  DEVICE_ARGS=(--cpu)
+else
+  DEVICE_ARGS=(--ds.attn_implementation flash_attention_2 --ds.packing_samples)
+fi
 set -x
 "$PYTHON" -m openrlhf_lopti.cli.train_ppo_ray \
   --actor.model_name_or_path "$MODEL" \
@@ -39,8 +46,7 @@ set -x
   --train.colocate_all \
   --ds.zero_stage 3 \
   --ds.param_dtype bf16 \
-  --ds.attn_implementation flash_attention_2 \
-  --ds.packing_samples \
+  "${DEVICE_ARGS[@]}" \
   --actor.gradient_checkpointing_enable \
   --reward.remote_url "$REWARD_FILE" \
   --data.prompt_dataset "$DATA_DIR/train.jsonl" \
@@ -51,6 +57,7 @@ set -x
   --eval.steps 10 \
   --eval.temperature 0.7 \
   --eval.n_samples_per_prompt 1 \
+  --ckpt.best_metric_key eval_score \
   --algo.advantage.estimator group_norm \
   --rollout.batch_size 64 \
   --rollout.n_samples_per_prompt 8 \

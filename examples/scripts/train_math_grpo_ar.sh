@@ -21,6 +21,13 @@ done
 # binary reward: 1 when the last \boxed{} answer is equivalent to the label
 REWARD_FILE=${REWARD_FILE:-$("$PYTHON" -c 'import openrlhf_lopti.tasks.reward_math as m; print(m.__file__)')}
 
+# CPU=1: the same run on a machine without a GPU (--cpu: DeepSpeed on its CPU accelerator, Hugging Face generate
+# for vLLM, Ray GPUs as logical resources), minus what needs flash-attn; shrink it with extra flags (README, "--cpu").
+if [[ "${CPU:-0}" == 1 ]]; then
+  DEVICE_ARGS=(--cpu)
+else
+  DEVICE_ARGS=(--ds.attn_implementation flash_attention_2 --ds.packing_samples)
+fi
 set -x
 "$PYTHON" -m openrlhf_lopti.cli.train_ppo_ray \
   --actor.model_name_or_path "$MODEL" \
@@ -36,8 +43,7 @@ set -x
   --train.colocate_all \
   --ds.zero_stage 3 \
   --ds.param_dtype bf16 \
-  --ds.attn_implementation flash_attention_2 \
-  --ds.packing_samples \
+  "${DEVICE_ARGS[@]}" \
   --actor.gradient_checkpointing_enable \
   --reward.remote_url "$REWARD_FILE" \
   --data.prompt_dataset "$TRAIN_DATA" \

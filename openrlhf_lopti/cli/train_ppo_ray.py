@@ -157,24 +157,22 @@ def parse_args(
 
 
 def launch(args: SimpleNamespace) -> None:
-    """Upstream's ``train(args)`` with :class:`LoptiPolicyModelActor` as the policy actor: on the GPU stack, or
-    with ``--cpu`` through :func:`openrlhf_lopti.openrlhf.cpu.runtime.launch_on_cpu`."""
+    """Upstream's ``train(args)`` with our policy actor and controller (``openrlhf_lopti.openrlhf.launch``): on the
+    GPU stack, or with ``--cpu`` through :func:`openrlhf_lopti.openrlhf.cpu.runtime.launch_on_cpu`."""
     if args.cpu:
         from openrlhf_lopti.openrlhf.cpu.runtime import launch_on_cpu
 
         launch_on_cpu(args)
         return
     try:
-        import openrlhf.cli.train_ppo_ray as upstream
+        import openrlhf.cli.train_ppo_ray  # noqa: F401 - imports vLLM and flash-attn
 
-        from openrlhf_lopti.openrlhf.actor import LoptiPolicyModelActor
+        from openrlhf_lopti.openrlhf.launch import train
     except ImportError as exc:
         raise SystemExit(
             f"{PROG}: launching needs OpenRLHF's GPU stack (vLLM, flash-attn, CUDA), or --cpu: {exc}"
         ) from None
-    # train() hands the name PolicyModelActor, looked up in its module, to RayActorGroup: that is the seam.
-    upstream.PolicyModelActor = LoptiPolicyModelActor
-    upstream.train(args)
+    train(args)
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -36,6 +36,7 @@ from openrlhf.utils.loss_utils import get_loss_batch_info
 from openrlhf_lopti.algo import PolicyLossOutput, ar_weight, lopti_phases, reweight_advantages
 from openrlhf_lopti.algo.lopti import quantile_threshold
 from openrlhf_lopti.ops import fused_policy_loss
+from openrlhf_lopti.ops.fused_policy_loss import resolve_backend
 
 from .flags import check_config, fused_backend, fused_loss_blockers, lopti_config
 
@@ -116,11 +117,10 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
                 "[openrlhf-lopti] --actor.fused_loss auto: using upstream's PolicyLoss because of "
                 + "; ".join(fused_loss_blockers(self.args))
             )
-        elif self.fused_backend == "auto":
-            from openrlhf_lopti.ops.triton import triton_available
-
-            # fused_policy_loss's own "auto" picks triton on CUDA when importable, cpp on CPU when built.
-            self.strategy.print(f"[openrlhf-lopti] fused policy loss, triton available: {triton_available()}")
+        elif self.fused_backend is not None:
+            device = torch.empty(0, device="cuda" if torch.cuda.is_available() else "cpu")
+            chosen = resolve_backend(self.fused_backend, device)
+            self.strategy.print(f"[openrlhf-lopti] fused policy loss: --actor.fused_loss {self.fused_backend} -> {chosen}")
         self._explicit_boundaries = False  # set by _passes_end_on_optimizer_steps, read by training_step
         self.lopti_phase: Optional[str] = None  # the Lopti phase running now: set by ppo_train, read by training_step
         self.lopti_threshold: float = self.lopti.lopti_eta  # this round's probability threshold (eta or quantile)

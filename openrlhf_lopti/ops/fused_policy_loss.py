@@ -132,7 +132,9 @@ def _check_row_inputs(
             raise ValueError(message)
 
 
-def _resolve_backend(backend: str, logits: torch.Tensor) -> str:
+def resolve_backend(backend: str, logits: torch.Tensor) -> str:
+    """The backend ``backend`` runs on for ``logits``' device: ``"auto"`` is triton on CUDA (torch without
+    triton), cpp on CPU (torch without the built extension); any other name is itself."""
     if backend != "auto":
         return backend
     if logits.is_cuda:
@@ -212,7 +214,7 @@ def fused_policy_loss(
         temperature=float(temperature),
         return_entropy=return_entropy,
     )
-    chosen = _resolve_backend(backend, logits)
+    chosen = resolve_backend(backend, logits)
     if chosen == "torch":  # the reference checks its rows itself (same check, same message)
         return policy_loss_from_logits(logits, labels, old_log_probs, advantages, mask, **options)
     if chosen == "triton":

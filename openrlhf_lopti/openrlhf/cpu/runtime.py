@@ -2,8 +2,8 @@
 
 What runs is upstream's pipeline: its placement groups, ``RayActorGroup`` s and colocation, ``PPOTrainer``,
 experience maker, reference model, reward file, KL, eval, logging and checkpoints, and our
-``LoptiPolicyModelActor``. :func:`launch_on_cpu` changes three names that upstream's ``train`` looks up, and
-the processes it runs in:
+``LoptiPolicyModelActor`` (``openrlhf_lopti.openrlhf.launch``). :func:`launch_on_cpu` changes two more names
+that upstream's ``train`` looks up, and the processes it runs in:
 
 - Ray: ``RAY_ADDRESS`` when set (a cluster whose nodes declare GPUs, e.g. ``ray start --num-gpus N``),
   otherwise a local Ray whose GPUs are logical resources (``ray.init(num_gpus=...)``), so upstream's
@@ -122,7 +122,7 @@ def init_ray(args: Any) -> None:
 
 
 def launch_on_cpu(args: Any) -> None:
-    """Upstream's ``train(args)`` with ``LoptiPolicyModelActor`` as the policy, on CPU (see the module docstring)."""
+    """``openrlhf_lopti.openrlhf.launch.train(args)`` on CPU (see the module docstring)."""
     from functools import partial
 
     errors, notes = cpu_settings(args)
@@ -138,13 +138,12 @@ def launch_on_cpu(args: Any) -> None:
 
     import openrlhf.cli.train_ppo_ray as upstream
 
-    from ..actor import LoptiPolicyModelActor
+    from ..launch import train
     from .rollout import create_cpu_rollout_engines
     from .strategy import get_cpu_strategy
 
     init_ray(args)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.ds.param_dtype, torch.float32)
-    upstream.get_strategy = get_cpu_strategy
-    upstream.create_vllm_engines = partial(create_cpu_rollout_engines, dtype=dtype)
-    upstream.PolicyModelActor = LoptiPolicyModelActor
-    upstream.train(args)
+    upstream.get_strategy = get_cpu_strategy  # train() builds the strategy with this module global
+    upstream.create_vllm_engines = partial(create_cpu_rollout_engines, dtype=dtype)  # and the engines
+    train(args)
