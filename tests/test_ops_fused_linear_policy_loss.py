@@ -89,7 +89,8 @@ def _device(backend: str) -> str:
 def test_matches_reference_with_gradients_on_loss_logp_and_entropy(backend, bias):
     inputs = {k: None if v is None else v.to(_device(backend)) for k, v in make_inputs(bias=bias).items()}
     grads = {k: v.to(_device(backend)) for k, v in random_grads(37).items()}
-    # chunk 8 does not divide the 28 kept rows (nor N = 37)
+    # chunk 8 divides neither the kept rows nor N = 37
+    assert int(inputs["mask"].sum()) % 8
     out, got = run(fused, inputs, grads, chunk_size=8, backend=backend, **OPTIONS)
     ref, want = run(reference, inputs, grads, **OPTIONS)
     assert out.clipped.any() and not out.clipped.all()  # the clip binds on some rows only
@@ -103,6 +104,21 @@ def test_any_chunk_size_gives_the_same_result(chunk_size):
     inputs = make_inputs()
     grads = random_grads(37, seed=2)
     out, got = run(fused, inputs, grads, chunk_size=chunk_size, backend="torch", **OPTIONS)
+    ref, want = run(reference, inputs, grads, **OPTIONS)
+    assert_matches(out, ref, got, want)
+
+
+def test_default_chunks_fill_the_byte_budget_forward_one_buffer_backward_two(monkeypatch):
+    inputs = make_inputs()  # V = 50 fp32: 200 bytes per row of logits
+    monkeypatch.setattr(linear_module, "DEFAULT_CHUNK_BYTES", 8 * 200 + 199)
+    recorder = _Recorder(linear_module._chunk_logits)
+    monkeypatch.setattr(linear_module, "_chunk_logits", recorder)
+    grads = random_grads(37, seed=2)
+    out, got = run(fused, inputs, grads, backend="torch", **OPTIONS)
+    kept = int(inputs["mask"].sum())
+    assert kept % 8 and kept % 4  # the last chunk is partial in both passes
+    forward, backward = [min(8, kept - s) for s in range(0, kept, 8)], [min(4, kept - s) for s in range(0, kept, 4)]
+    assert recorder.rows == forward + backward  # forward: 8 rows (one buffer), backward: 4 (two buffers)
     ref, want = run(reference, inputs, grads, **OPTIONS)
     assert_matches(out, ref, got, want)
 
@@ -130,7 +146,8 @@ def test_temperature_and_no_kl_no_entropy():
 
 
 @pytest.mark.parametrize("backend", ["torch"] + (["cpp"] if cpp_module.cpp_available() else []))
-def test_bfloat16_tiny(backend):
+def test_bfloat16_tiny(backend, monkeypatch):
+    monkeypatch.setattr(linear_module, "_GRAD_WEIGHT_BLOCK", 7)  # grad_W summed over 4 vocab blocks (24 = 3 x 7 + 3)
     inputs = make_inputs(n=9, h=8, v=24, dtype=torch.bfloat16, seed=7)
     grads = random_grads(9, seed=8)
     out, got = run(fused, inputs, grads, chunk_size=4, backend=backend, **OPTIONS)
@@ -194,9 +211,9 @@ class _Recorder:
     def __init__(self, real):
         self.real, self.rows = real, []
 
-    def __call__(self, hidden_rows, weight, bias):
+    def __call__(self, hidden_rows, weight, bias, out):
         self.rows.append(hidden_rows.shape[0])
-        return self.real(hidden_rows, weight, bias)
+        return self.real(hidden_rows, weight, bias, out)
 
 
 def test_masked_rows_never_reach_the_matmul(monkeypatch):

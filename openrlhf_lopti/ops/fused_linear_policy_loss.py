@@ -17,9 +17,10 @@ knows ``d(sum loss)``; with per-token gradients on several outputs (the token-me
 ``logp``, an entropy bonus) ``grad_W = sum_i c_i g_i h_i^T`` needs the per-token ``c_i`` inside the sum, which
 forward cannot know (https://github.com/linkedin/Liger-Kernel/pull/1298 is that bug in Liger's ``reduction="none"``).
 
-Peak extra memory: one chunk's logits and, in backward, their gradient (``2 x chunk x V`` in the model dtype,
-plus the kernel's per-row vectors; the ``"torch"`` backend adds its fp32 ``[chunk, V]`` temporaries), the fp32
-``[V, H]`` weight-gradient accumulator, and for a bf16/fp16 weight one ``[V, H]`` product per chunk in that dtype.
+Peak extra memory: the ``[chunk, V]`` buffers alive at once (forward: one chunk's logits, reused from chunk to
+chunk; backward: the logits and their gradient), within :data:`DEFAULT_CHUNK_BYTES` by default, plus the kernel's
+per-row vectors (the ``"torch"`` backend adds its fp32 ``[chunk, V]`` temporaries); the ``[V, H]`` fp32
+weight-gradient accumulator (for a bf16/fp16 weight, plus one ``[V_block, H]`` product and the final cast).
 """
 
 from typing import Optional
@@ -30,17 +31,23 @@ from torch.autograd.function import once_differentiable
 from ..algo import PolicyLossOutput
 from .fused_policy_loss import BACKENDS, LOGITS_DTYPES, _check_row_inputs, fused_policy_loss
 
-# Default chunk: the most rows whose logits fit in this many bytes (in the model dtype). At V = 151936 that is
-# 220 fp32 / 441 bf16 rows; backward holds two such buffers (logits and their gradient). A GEMM of a few hundred
-# rows against the whole [V, H] weight is still compute-bound (it does ~chunk FLOPs per weight byte read).
-DEFAULT_CHUNK_BYTES = 128 * 2**20
+# Default chunking: the [chunk, V] buffers alive at once take at most this many bytes (model dtype). Forward
+# passes hold one (the chunk's logits), backward two (logits and their gradient), so at V = 151936 the forward
+# takes 441 fp32 / 883 bf16 rows per chunk and the backward 220 / 441. Bigger chunks run the lm_head GEMM
+# closer to full speed (a 220-row fp32 chunk was ~20% slower per row than 2048 rows on a 2-core Xeon;
+# benchmarks/RESULTS.md); a GEMM of a few hundred rows against the whole [V, H] weight stays compute-bound.
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+# A bf16/fp16 weight's gradient is summed in fp32 from products of this many vocab rows at a time, so the
+# low-precision product never needs a whole [V, H] buffer.
+_GRAD_WEIGHT_BLOCK = 16384
 
 
-def default_chunk_size(vocab_size: int, dtype: torch.dtype) -> int:
-    """Rows per chunk when ``chunk_size`` is None: the largest count whose ``[chunk, V]`` logits in ``dtype``
-    take at most :data:`DEFAULT_CHUNK_BYTES` (at least 1)."""
+def default_chunk_size(vocab_size: int, dtype: torch.dtype, buffers: int = 1) -> int:
+    """Rows per chunk when ``chunk_size`` is None: the largest count for which ``buffers`` ``[chunk, V]``
+    tensors in ``dtype`` take at most :data:`DEFAULT_CHUNK_BYTES` (at least 1). Forward passes use
+    ``buffers=1``, the backward ``buffers=2``."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return max(1, DEFAULT_CHUNK_BYTES // (vocab_size * itemsize))
+    return max(1, DEFAULT_CHUNK_BYTES // (buffers * vocab_size * itemsize))
 
 
 def _check_linear_inputs(hidden, weight, bias, chunk_size, backend: str) -> None:
@@ -72,10 +79,16 @@ def _check_linear_inputs(hidden, weight, bias, chunk_size, backend: str) -> None
         raise ValueError(f"chunk_size must be None or an integer >= 1, got {chunk_size!r}")
 
 
-def _chunk_logits(hidden_rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _chunk_logits(hidden_rows, weight, bias, out: torch.Tensor) -> torch.Tensor:
+    """``hidden_rows @ weight.T (+ bias)`` written into ``out`` (a buffer reused across chunks: on CPU a fresh
+    ``[chunk, V]`` allocation costs page faults on every chunk)."""
     if bias is None:
-        return hidden_rows @ weight.t()
-    return torch.addmm(bias, hidden_rows, weight.t())
+        return torch.mm(hidden_rows, weight.t(), out=out)
+    return torch.addmm(bias, hidden_rows, weight.t(), out=out)
+
+
+def _logits_buffer(hidden, weight, rows: int) -> torch.Tensor:
+    return torch.empty(rows, weight.shape[0], dtype=hidden.dtype, device=hidden.device)
 
 
 class _Rows:
@@ -105,12 +118,13 @@ def _forward(hidden, weight, bias, rows: _Rows, n: int, chunk: int, options: dic
     loss, logp, kl = (torch.zeros(n, **zeros) for _ in range(3))
     clipped = torch.zeros(n, dtype=torch.bool, device=hidden.device)
     entropy = torch.zeros(n, **zeros) if options["return_entropy"] else None
+    kept = rows.index.numel()
     with torch.no_grad():
-        for start in range(0, rows.index.numel(), chunk):
+        buffer = _logits_buffer(hidden, weight, min(chunk, kept)) if kept else None
+        for start in range(0, kept, chunk):
             index = rows.index[start : start + chunk]
-            logits = _chunk_logits(hidden.index_select(0, index), weight, bias)
+            logits = _chunk_logits(hidden.index_select(0, index), weight, bias, buffer[: index.numel()])
             out = rows.chunk_loss(logits, start, options, backend)
-            del logits
             loss.index_copy_(0, index, out.loss)
             logp.index_copy_(0, index, out.logp)
             kl.index_copy_(0, index, out.kl)
@@ -124,11 +138,11 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
     """Saves only the inputs; backward recomputes each chunk's logits and runs the kernel's backward on them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, rows, chunk, options, backend):
+    def forward(ctx, hidden, weight, bias, rows, chunks, options, backend):
         n = hidden.shape[0]
-        loss, logp, kl, clipped, entropy = _forward(hidden, weight, bias, rows, n, chunk, options, backend)
+        loss, logp, kl, clipped, entropy = _forward(hidden, weight, bias, rows, n, chunks[0], options, backend)
         ctx.save_for_backward(hidden, weight, bias)
-        ctx.rows, ctx.chunk, ctx.options, ctx.backend = rows, chunk, options, backend
+        ctx.rows, ctx.chunk, ctx.options, ctx.backend = rows, chunks[1], options, backend
         ctx.mark_non_differentiable(kl, clipped)
         ctx.set_materialize_grads(False)  # unused outputs give None: their terms are skipped
         return loss, logp, kl, clipped, entropy if entropy is not None else hidden.new_empty(0, dtype=torch.float32)
@@ -147,10 +161,12 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
-        for start in range(0, rows.index.numel(), ctx.chunk):
+        kept = rows.index.numel()
+        buffer = _logits_buffer(hidden, weight, min(ctx.chunk, kept)) if kept else None
+        for start in range(0, kept, ctx.chunk):
             index = rows.index[start : start + ctx.chunk]
             hidden_rows = hidden.index_select(0, index)
-            logits = _chunk_logits(hidden_rows, weight, bias).requires_grad_(True)
+            logits = _chunk_logits(hidden_rows, weight, bias, buffer[: index.numel()]).detach().requires_grad_(True)
             with torch.enable_grad():
                 out = rows.chunk_loss(logits, start, ctx.options, ctx.backend)
                 outputs = [getattr(out, name) for name, _ in grad_outputs]
@@ -159,10 +175,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
             if need_hidden:
                 grad_hidden.index_copy_(0, index, grad_logits @ weight)
             if need_weight:
-                if grad_logits.dtype == torch.float32:
-                    grad_weight.addmm_(grad_logits.t(), hidden_rows)
-                else:  # the GEMM accumulates the chunk in fp32 and rounds once; chunks are summed in fp32
-                    grad_weight.add_(grad_logits.t() @ hidden_rows)
+                _accumulate_grad_weight(grad_weight, grad_logits, hidden_rows)
             if need_bias:
                 grad_bias.add_(grad_logits.sum(0, dtype=torch.float32))
             del grad_logits
@@ -171,6 +184,18 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
         ) + none
+
+
+def _accumulate_grad_weight(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden_rows: torch.Tensor) -> None:
+    """``grad_weight [V, H] fp32 += grad_logits.T @ hidden_rows``, nothing filtered."""
+    if grad_logits.dtype == torch.float32:
+        grad_weight.addmm_(grad_logits.t(), hidden_rows)
+        return
+    # Low precision: the GEMM sums the chunk's rows in fp32 and rounds once to the model dtype (as the unfused
+    # lm_head backward does for all rows); chunks are then summed in fp32, V-block by V-block.
+    for v0 in range(0, grad_weight.shape[0], _GRAD_WEIGHT_BLOCK):
+        block = slice(v0, v0 + _GRAD_WEIGHT_BLOCK)
+        grad_weight[block].add_(grad_logits[:, block].t() @ hidden_rows)
 
 
 def _kept_rows(mask, labels, old_log_probs, advantages, ref_log_probs) -> _Rows:
@@ -215,8 +240,8 @@ def fused_linear_policy_loss(
         labels, old_log_probs, advantages, mask, ref_log_probs: ``[N]``, as in ``fused_policy_loss``; rows with
             mask 0 are never multiplied by the weight.
         bias: ``[V]`` lm_head bias or None; ``-inf`` entries make those tokens impossible.
-        chunk_size: rows per lm_head chunk; None: :func:`default_chunk_size` (chunk logits within
-            :data:`DEFAULT_CHUNK_BYTES`).
+        chunk_size: rows per lm_head chunk, in forward and backward; None: :func:`default_chunk_size` for
+            each (the buffers of a chunk within :data:`DEFAULT_CHUNK_BYTES`).
         alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, return_entropy, backend: as in
             ``fused_policy_loss`` (the backend runs on each chunk's logits).
 
@@ -242,8 +267,9 @@ def fused_linear_policy_loss(
                    kl_estimator=kl_estimator, temperature=float(temperature),
                    return_entropy=bool(return_entropy))  # fmt: skip
     rows = _kept_rows(mask, labels, old_log_probs, advantages, ref_log_probs)
-    chunk = chunk_size or default_chunk_size(v, hidden.dtype)
-    loss, logp, kl, clipped, entropy = _FusedLinearPolicyLoss.apply(hidden, weight, bias, rows, chunk, options, backend)
+    chunks = [chunk_size or default_chunk_size(v, hidden.dtype, buffers) for buffers in (1, 2)]  # forward, backward
+    outputs = _FusedLinearPolicyLoss.apply(hidden, weight, bias, rows, chunks, options, backend)
+    loss, logp, kl, clipped, entropy = outputs
     return PolicyLossOutput(loss=loss, logp=logp, kl=kl, clipped=clipped, entropy=entropy if return_entropy else None)
 
 
