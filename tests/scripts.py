@@ -18,6 +18,7 @@ def script_launch(script: Path, tmp_path: Path, *args: str, env: dict = None) ->
     """``(program, argv)`` the script launches ``openrlhf_lopti.cli.train_ppo_ray`` with: the executable that runs
     ``-m`` (None when the recorder itself ran as ``$PYTHON``; the multi-node job names it) and the trainer's arguments. ``args`` are passed to the script; ``env`` adds to its environment
     (defaults: placeholder data files, ``REWARD_FILE=reward.py``, ``HEAD_IP=127.0.0.1``)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     recorder = tmp_path / "record"
     recorder.write_text(RECORDER)
     recorder.chmod(recorder.stat().st_mode | stat.S_IEXEC)
@@ -27,8 +28,8 @@ def script_launch(script: Path, tmp_path: Path, *args: str, env: dict = None) ->
     data.mkdir()
     for name in ("train.jsonl", "test.jsonl", "math500.jsonl"):
         (data / name).write_text("{}\n")
-    full_env = dict(
-        os.environ,
+    full_env = dict(os.environ)
+    full_env.update(
         ARGV_DIR=str(argv_dir),
         PYTHON=str(recorder),
         RAY=str(recorder),
@@ -38,8 +39,8 @@ def script_launch(script: Path, tmp_path: Path, *args: str, env: dict = None) ->
         REWARD_FILE="reward.py",
         HEAD_IP="127.0.0.1",
         SAVE_DIR=str(tmp_path / "ckpt"),
-        **(env or {}),
     )
+    full_env.update(env or {})
     role = ["submit"] if script.name.startswith("multinode") else []
     result = subprocess.run(
         ["bash", str(script), *role, *args], env=full_env, capture_output=True, text=True, timeout=60
