@@ -4,13 +4,16 @@
 # openrlhf==0.11.2, vLLM, flash-attn) and the same paths: data and the reward file are read on the node where
 # each Ray actor runs, so put them on shared storage or install the package at the same path everywhere.
 #
-#   head node:    HEAD_IP=10.0.0.1 bash examples/scripts/multinode_kk_grpo_ar_lopti.sh head
-#   each worker:  HEAD_IP=10.0.0.1 bash examples/scripts/multinode_kk_grpo_ar_lopti.sh worker
+#   head node:    HEAD_IP=10.0.0.1 bash examples/scripts/multinode_kk_grpo_ar_lopti.sh head [ray start flags]
+#   each worker:  HEAD_IP=10.0.0.1 bash examples/scripts/multinode_kk_grpo_ar_lopti.sh worker [ray start flags]
 #   then, on the head node, once `ray status` lists all GPUs:
-#                 HEAD_IP=10.0.0.1 bash examples/scripts/multinode_kk_grpo_ar_lopti.sh submit [extra flags]
+#                 HEAD_IP=10.0.0.1 bash examples/scripts/multinode_kk_grpo_ar_lopti.sh submit [extra trainer flags]
+#
+# CPU=1 rehearses the run without GPUs (README, "--cpu"): `ray start --num-gpus` declares logical GPUs, so two
+# CPU machines (or two raylets on one) stand in for the GPU nodes; add flags that shrink the model and batch.
 set -euo pipefail
 
-ROLE=${1:?usage: $0 head|worker|submit [extra trainer flags]}
+ROLE=${1:?usage: $0 head|worker [ray start flags] | submit [extra trainer flags]}
 shift
 HEAD_IP=${HEAD_IP:?set HEAD_IP to the head node address}
 NUM_NODES=${NUM_NODES:-2}
@@ -27,10 +30,10 @@ RUN_NAME=${RUN_NAME:-kk_grpo_ar_lopti_${NUM_NODES}nodes}
 case "$ROLE" in
   head)
     exec "$RAY" start --head --node-ip-address "$HEAD_IP" --port "$RAY_PORT" --dashboard-host 0.0.0.0 \
-      --dashboard-port "$DASHBOARD_PORT" --num-gpus "$GPUS_PER_NODE"
+      --dashboard-port "$DASHBOARD_PORT" --num-gpus "$GPUS_PER_NODE" "$@"
     ;;
   worker)
-    exec "$RAY" start --address "$HEAD_IP:$RAY_PORT" --num-gpus "$GPUS_PER_NODE" --block
+    exec "$RAY" start --address "$HEAD_IP:$RAY_PORT" --num-gpus "$GPUS_PER_NODE" --block "$@"
     ;;
   submit) ;;
   *)

@@ -114,6 +114,10 @@ def init_ray(args: Any) -> None:
         "worker_process_setup_hook": f"{__name__}.setup_cpu_worker",
     }
     if os.environ.get("RAY_ADDRESS"):
+        # In a `ray job submit` job, Ray refuses a driver runtime_env that repeats keys of the job's own (the
+        # multi-node script sets TOKENIZERS_PARALLELISM there) unless told to combine them, the driver's winning:
+        # ours are the job's values anyway (read from this process's environment above).
+        os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
         return
     gpus = _logical_gpus(args)
