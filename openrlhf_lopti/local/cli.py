@@ -29,12 +29,24 @@ HELP = {
     "lopti_order": "low_first (Lopti) or high_first (the paper's collapsing ablation)",
     "lopti_quantile": "use this quantile of token probabilities as the threshold instead of eta",
     "steps": "RL steps (one batch of rollouts each)",
-    "prompts_per_step": "puzzles per step",
+    "prompts_per_step": "prompts (puzzles or --data rows) per step",
     "n_samples": "responses per puzzle (GRPO group size)",
     "max_new_tokens": "response length cap, tokens",
     "temperature": "sampling temperature (also divides the logits in the loss)",
     "people": "comma-separated K&K sizes cycled over prompts, e.g. 3,4,5",
-    "prompt_style": "auto, compact (demo model), chat (chat template), text (plain)",
+    "prompt_style": "K&K prompts: auto, compact (demo model), chat (chat template), text (plain)",
+    "data": "prompt dataset instead of K&K puzzles: jsonl, json, parquet or a datasets save_to_disk folder "
+    "(comma-separated: concatenated), as OpenRLHF's --data.prompt_dataset; needs --reward-file",
+    "eval_data": "held-out prompt dataset scored with --reward-file (as OpenRLHF's --eval.dataset)",
+    "input_key": "dataset field of the prompt (OpenRLHF's --data.input_key)",
+    "label_key": "dataset field passed to reward_func as the label ('' = none; OpenRLHF's --data.label_key)",
+    "apply_chat_template": "render the prompt field (a string or chat messages) with the tokenizer's chat template "
+    "(OpenRLHF's --data.apply_chat_template)",
+    "input_template": "format string for plain-text prompts, e.g. 'User: {}\\nAssistant:' (OpenRLHF's "
+    "--data.input_template)",
+    "reward_file": "a .py file with OpenRLHF's reward_func(queries, prompts, labels) (what --reward.remote_url "
+    "takes), e.g. tasks/reward_math.py; default with K&K: the paper's rule",
+    "eval_n_samples": "responses per held-out prompt: 1 = greedy, more = sampled at --temperature",
     "lr": "AdamW learning rate",
     "weight_decay": "AdamW weight decay",
     "mini_batch_size": "responses per optimizer step",
@@ -53,7 +65,7 @@ HELP = {
     "log-prob passes): the model's [tokens, vocab] logits are never made; costs one extra lm_head matmul in backward",
     "save_every": "steps between checkpoints (1: a crash loses at most one step)",
     "eval_every": "steps between greedy held-out evaluations (0: only at the end)",
-    "eval_prompts": "held-out puzzles per evaluation (0: none)",
+    "eval_prompts": "held-out K&K puzzles per evaluation (0: none); with --eval-data its first N rows (0: all)",
     "progress": "tqdm progress bar",
     "track_direction": "after each update, log per probability bin the share of positive-advantage tokens whose "
     "log-prob rose and of negative ones whose log-prob fell (direction/*, paper Fig. 3; one extra forward pass)",
@@ -63,7 +75,8 @@ HELP = {
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="openrlhf-lopti train",
-        description="One-process GRPO / REINFORCE++ on Knights and Knaves with Advantage Reweighting and Lopti.",
+        description="One-process GRPO / REINFORCE++ with Advantage Reweighting and Lopti, on generated Knights "
+        "and Knaves puzzles or on any prompt dataset with an OpenRLHF reward file.",
         argument_default=argparse.SUPPRESS,  # only flags given on the command line reach the config
     )
     p.add_argument("--method", choices=tuple(METHODS), help="preset for alpha and lopti (flags override it)")

@@ -56,6 +56,16 @@ class TrainConfig:
     temperature: float = 0.7
     people: list = field(default_factory=lambda: [2])  # K&K sizes, cycled over prompts
     prompt_style: str = "auto"
+    # A prompt dataset and an OpenRLHF reward file instead of generated K&K puzzles (see .dataset, .reward);
+    # the names and meanings are OpenRLHF's --data.* / --eval.dataset / --reward.remote_url.
+    data: Optional[str] = None  # jsonl / json / parquet / save_to_disk folder (comma-separated: concatenated)
+    eval_data: Optional[str] = None  # held-out prompts, scored with reward_file
+    input_key: str = "prompt"
+    label_key: str = "label"  # "" = no label (every label is "")
+    apply_chat_template: bool = False
+    input_template: Optional[str] = None  # e.g. "User: {}\nAssistant:" (without apply_chat_template)
+    reward_file: Optional[str] = None  # a .py file with reward_func(queries, prompts, labels)
+    eval_n_samples: int = 1  # responses per held-out prompt: 1 = greedy, more = sampled at `temperature`
     lr: float = 1e-3
     weight_decay: float = 0.0
     mini_batch_size: int = 64  # responses per optimizer step
@@ -73,7 +83,7 @@ class TrainConfig:
     fused_lm_head: bool = False  # lm_head + loss chunk by chunk from the last hidden states: no [N, V] logits
     save_every: int = 1  # steps between checkpoints (1: a crash loses at most one step)
     eval_every: int = 0  # steps between greedy held-out evaluations; 0 = only at the end
-    eval_prompts: int = 0  # held-out puzzles per evaluation; 0 = no evaluation
+    eval_prompts: int = 0  # held-out puzzles per evaluation (0 = none); with eval_data: its first N rows (0 = all)
     progress: bool = True  # tqdm bar
     track_direction: bool = False  # log direction/* (paper Fig. 3) after each update: one extra forward pass
 
@@ -101,7 +111,7 @@ class TrainConfig:
             raise ConfigError("eta", "eta 0 means Lopti off (as --algo.lopti_eta 0 in the OpenRLHF CLI), but lopti "
                               "is on (--lopti or a lopti --method): give eta in (0, 1], or turn Lopti off")  # fmt: skip
         positive_ints = ("steps", "prompts_per_step", "n_samples", "max_new_tokens", "mini_batch_size", "epochs")
-        for name in positive_ints + ("save_every",):
+        for name in positive_ints + ("save_every", "eval_n_samples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(name, f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("micro_batch_size", "eval_every", "eval_prompts"):
@@ -128,8 +138,31 @@ class TrainConfig:
             raise ConfigError("kl_estimator", f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError("dtype", f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        self._validate_data()
         if self.loss_backend not in LOSS_BACKENDS:
             raise ConfigError("loss_backend", f"loss_backend must be one of {LOSS_BACKENDS}, got {self.loss_backend!r}")
+
+    def _validate_data(self) -> None:
+        for name in ("data", "eval_data", "reward_file", "input_template"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(name, f"{name} must be a non-empty string, got {value!r}")
+        if not isinstance(self.input_key, str) or not self.input_key:
+            raise ConfigError("input_key", f"input_key must name the prompt field, got {self.input_key!r}")
+        if (self.data or self.eval_data) and not self.reward_file:
+            name = "data" if self.data else "eval_data"
+            raise ConfigError("reward_file", f"reward_file is required with {name}: a .py file with OpenRLHF's "
+                              "reward_func(queries, prompts, labels), e.g. tasks/reward_math.py")  # fmt: skip
+        if self.data and self.eval_prompts and not self.eval_data:
+            raise ConfigError("eval_prompts", "eval_prompts counts held-out K&K puzzles, which a data run does not "
+                              "use: give eval_data (its rows are the held-out prompts)")  # fmt: skip
+        if self.input_template is not None:
+            if self.apply_chat_template:
+                raise ConfigError("input_template", "input_template is ignored with apply_chat_template (OpenRLHF "
+                                  "ignores it then): give one of them")  # fmt: skip
+            if "{}" not in self.input_template:
+                raise ConfigError("input_template", f"input_template must contain {{}} where the prompt goes, "
+                                  f"got {self.input_template!r}")  # fmt: skip
 
     @property
     def method(self) -> str:

@@ -7,6 +7,7 @@ checkpoint; with ``save_every=1`` it loses at most the step in flight.
 """
 
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -22,10 +23,12 @@ from openrlhf_lopti.outputs import prepare_out_dir
 
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint, set_rng_state
 from .config import TrainConfig
+from .dataset import PromptSet, epochs_done, load_prompt_set, step_indices
 from .experience import make_experience
-from .evaluation import greedy_eval
+from .evaluation import greedy_eval, reward_eval
 from .model import load_model, save_model
 from .plots import plot_runs
+from .reward import RewardFile, check_once, queries_of
 from .rollout import response_logprobs
 from .task import eval_puzzles, prompt_for, resolve_prompt_style, train_puzzles
 from .update import update_policy
@@ -96,6 +99,7 @@ class LocalTrainer:
         dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
         self.policy, self.tokenizer, model_style = load_model(cfg.model, self.device, dtype)
         self.prompt_style = resolve_prompt_style(cfg.prompt_style, self.tokenizer, model_style)
+        self._load_task()
         # The reference is the starting model, frozen; it needs no optimizer state and no checkpoint.
         self.ref = None
         if cfg.kl_coef != 0:
@@ -108,6 +112,33 @@ class LocalTrainer:
         random.seed(cfg.seed)
         self._restore_or_start(resume)
 
+    def _load_task(self) -> None:
+        """The prompt datasets and the reward file, all checked before any step (errors name file and row)."""
+        cfg = self.cfg
+        self.reward = RewardFile(cfg.reward_file) if cfg.reward_file else None
+        keys = (cfg.input_key, cfg.label_key, cfg.apply_chat_template, self.tokenizer, cfg.input_template)
+        self.data: Optional[PromptSet] = load_prompt_set(cfg.data, "--data", *keys) if cfg.data else None
+        self.eval_data: Optional[PromptSet] = None
+        if cfg.eval_data:
+            self.eval_data = load_prompt_set(cfg.eval_data, "--eval-data", *keys)
+        if self.reward is not None:  # one call on the first prompts, so a reward file that fails fails now
+            if self.data is not None:
+                n = cfg.prompts_per_step
+                check_once(self.reward, self.data.prompts[:n], self.data.labels[:n], "--data")
+            else:
+                _, prompts, labels = self.batch(0)
+                check_once(self.reward, prompts, labels, "the K&K puzzles")
+
+    def batch(self, step: int) -> tuple:
+        """``(K&K records or None, prompt strings, labels)`` of step ``step`` (0-based); deterministic in
+        ``(seed, step)``, so a resumed run samples what it would have sampled."""
+        cfg = self.cfg
+        if self.data is not None:
+            rows = step_indices(len(self.data), cfg.seed, step, cfg.prompts_per_step)
+            return None, [self.data.prompts[i] for i in rows], [self.data.labels[i] for i in rows]
+        records = train_puzzles(cfg.seed, step, cfg.prompts_per_step, cfg.people)
+        return records, self.prompts(records), [r["solution_text_format"] for r in records]
+
     def _restore_or_start(self, resume: bool) -> None:
         ckpt = load_checkpoint(self.out) if resume else None
         # A fresh run (or a resumed one that never checkpointed) writes config.json and a new metrics.jsonl
@@ -117,7 +148,9 @@ class LocalTrainer:
             return
         # Fields that may change between a run and its resumption: the rest must match.
         free = ("steps", "progress", "out", "device", "loss_backend")
-        saved = {k: v for k, v in ckpt["config"].items() if k not in free}
+        # a field the checkpointed run's version did not have yet ran with its default
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+        saved = {k: v for k, v in {**defaults, **ckpt["config"]}.items() if k not in free}
         given = {k: v for k, v in self.cfg.to_dict().items() if k not in free}
         if saved != given:
             diff = sorted(k for k in saved if saved[k] != given.get(k))
@@ -139,8 +172,17 @@ class LocalTrainer:
         """Run step ``self.step + 1``: sample, score, update. Returns its metrics."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        records = train_puzzles(cfg.seed, self.step, cfg.prompts_per_step, cfg.people)
-        exp = make_experience(self.policy, self.ref, self.tokenizer, records, self.prompts(records), cfg)
+        records, prompts, labels = self.batch(self.step)
+        reward = None
+        if self.reward is not None:
+            repeat = [i for i in range(len(prompts)) for _ in range(cfg.n_samples)]  # rollout row -> prompt
+
+            def reward(rollout):
+                queries = queries_of(rollout.sequences, rollout.attention_mask, self.tokenizer)
+                return self.reward(queries, [prompts[i] for i in repeat], [labels[i] for i in repeat],
+                                   f"step {self.step + 1}")  # fmt: skip
+
+        exp = make_experience(self.policy, self.ref, self.tokenizer, records, prompts, cfg, reward)
         t1 = time.perf_counter()
         # Shuffling depends only on (seed, step), so a resumed step reshuffles identically.
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
@@ -150,11 +192,15 @@ class LocalTrainer:
         mask = exp.rollout.action_mask
         tokens = mask.sum().clamp(min=1)
         probs = exp.old_log_probs.exp()
-        metrics = {
-            "step": self.step + 1,
-            "reward": float(exp.rewards.mean()),
-            "accuracy": float(exp.correct.float().mean()),
-            "format_rate": float(exp.format_ok.float().mean()),
+        metrics = {"step": self.step + 1, "reward": float(exp.rewards.mean())}
+        if exp.correct is not None:  # K&K: every role right; a reward file: the mean of its scores
+            metrics["accuracy"] = float(exp.correct.float().mean())
+        if exp.format_ok is not None:
+            metrics["format_rate"] = float(exp.format_ok.float().mean())
+        metrics.update({f"reward/{k}": float(v.float().mean()) for k, v in exp.extra.items()})
+        if self.data is not None:
+            metrics["epoch"] = epochs_done(len(self.data), self.step + 1, cfg.prompts_per_step)
+        metrics |= {
             "response_tokens": float(mask.sum(-1).float().mean()),
             "low_token_fraction": float(((probs < cfg.eta) & mask).sum() / tokens),
             "mean_ar_weight": float((ar_weight(exp.old_log_probs, cfg.alpha) * mask).sum() / tokens),
@@ -174,14 +220,32 @@ class LocalTrainer:
             metrics.update(direction_metrics(counts))
             metrics["direction_s"] = time.perf_counter() - t2
         self.step += 1
-        if cfg.eval_prompts and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+        if self.evaluates and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
             metrics.update({f"eval_{k}": v for k, v in self.evaluate().items()})
         return metrics
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run has a held-out set: ``eval_prompts`` K&K puzzles or ``eval_data``."""
+        return bool(self.cfg.eval_prompts) or self.eval_data is not None
+
     def evaluate(self) -> dict:
-        """Greedy held-out metrics on ``cfg.eval_prompts`` fixed puzzles."""
-        records = eval_puzzles(self.cfg.eval_prompts, self.cfg.people)
-        return greedy_eval(self.policy, self.tokenizer, records, self.prompts(records), self.cfg.max_new_tokens)
+        """Held-out metrics: ``eval_data`` (its first ``eval_prompts`` rows; all for 0) or ``eval_prompts``
+        fixed K&K puzzles, scored by the reward file if there is one, else by the paper's rule (greedy)."""
+        cfg = self.cfg
+        if self.eval_data is not None:
+            rows = slice(0, cfg.eval_prompts or None)
+            prompts, labels = self.eval_data.prompts[rows], self.eval_data.labels[rows]
+            sources = self.eval_data.datasources[rows]
+        else:
+            records = eval_puzzles(cfg.eval_prompts, cfg.people)
+            prompts = self.prompts(records)
+            if self.reward is None:
+                return greedy_eval(self.policy, self.tokenizer, records, prompts, cfg.max_new_tokens)
+            labels = [r["solution_text_format"] for r in records]
+            sources = [f"kk_{len(r['names'])}ppl" for r in records]
+        return reward_eval(self.policy, self.tokenizer, prompts, labels, sources, self.reward, cfg.max_new_tokens,
+                           cfg.eval_n_samples, cfg.temperature)  # fmt: skip
 
     def _log(self, metrics: dict) -> int:
         """Append one line to metrics.jsonl durably; returns the file size after it."""
@@ -209,13 +273,13 @@ class LocalTrainer:
         bar = tqdm(total=cfg.steps, initial=self.step, desc=desc or cfg.method, disable=not cfg.progress, leave=True)
         while self.step < cfg.steps:
             metrics = self.train_step()
-            if self.step == cfg.steps and cfg.eval_prompts:
+            if self.step == cfg.steps and self.evaluates:
                 metrics.update({f"eval_{k}": v for k, v in self.evaluate().items()})
             offset = self._log(metrics)
             if self.step % cfg.save_every == 0 or self.step == cfg.steps:
                 self.save(offset)
             bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}")
+            bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics.get('accuracy', float('nan')):.2f}")
         bar.close()
         save_model(self.policy, self.tokenizer, self.out / FINAL_MODEL_DIR, self.prompt_style)
         rows = read_metrics(self.metrics_path)
