@@ -12,6 +12,7 @@ from openrlhf_lopti.local.checkpoint import load_checkpoint
 from openrlhf_lopti.local.config import TrainConfig
 from openrlhf_lopti.local.dataset import step_indices
 from openrlhf_lopti.local.model import save_model
+from openrlhf_lopti.local.plots import panels_for
 from openrlhf_lopti.local.tiny_model import build_tiny_model
 from openrlhf_lopti.local.trainer import LocalTrainer, read_metrics
 from openrlhf_lopti.tasks import reward_kk, reward_math
@@ -69,6 +70,8 @@ def test_math_jsonl_with_reward_math_from_data_script_to_eval(model_dir, tmp_pat
         assert 0 <= row["reward/format_reward"] <= 1 and "format_rate" not in row
     assert {"eval_reward", "eval_accuracy", "eval_reward/format_reward"} <= set(rows[-1])
     assert (run / "plots.png").stat().st_size > 0
+    titles = [title for key, title in panels_for({"run": rows}) if key.startswith("reward/")]
+    assert titles == ["reward file's extra_logs: answer_reward", "reward file's extra_logs: format_reward"]
     # the trained model goes straight into `eval` on the same test file
     argv = ["eval", "--task", "math", "--model", str(run / "final_model"), "--data", str(data / "test.jsonl"),
             "--max-new-tokens", "4", "--out", str(tmp_path / "eval")]  # fmt: skip

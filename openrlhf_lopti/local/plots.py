@@ -1,11 +1,12 @@
 """PNG training curves: reward, accuracy, KL to the reference and low-probability token fraction per step."""
 
+import math
 import os
 from typing import Optional
 
 PANELS = (
-    ("reward", "reward (paper rule, [-3, 3])"),
-    ("accuracy", "accuracy (all roles right)"),
+    ("reward", "reward (K&K: paper rule, [-3, 3])"),
+    ("accuracy", "accuracy (K&K: all roles right; else mean score)"),
     ("kl", "KL(policy || reference), k3"),
     ("low_token_fraction", "fraction of tokens with p < eta"),
 )
@@ -27,8 +28,20 @@ def smooth(values: list, window: int) -> list:
     return out
 
 
+def panels_for(runs: dict) -> list:
+    """``(metric, title)`` of every panel: the four base ones, the direction ones when logged, and one per
+    ``reward/<name>`` metric (a reward file's ``extra_logs``)."""
+    keys = {key for rows in runs.values() for r in rows for key in r}
+    panels = list(PANELS)
+    if any(key in keys for key, _ in DIRECTION_PANELS):
+        panels += DIRECTION_PANELS
+    panels += [(key, f"reward file's extra_logs: {key[len('reward/') :]}") for key in sorted(keys)
+               if key.startswith("reward/")]  # fmt: skip
+    return panels
+
+
 def plot_runs(runs: dict, path: str | os.PathLike, title: Optional[str] = None, window: int = 0) -> None:
-    """Draw the four panels (six with direction metrics) for one or several runs into one PNG.
+    """Draw the panels of :func:`panels_for` for one or several runs into one PNG.
 
     Args:
         runs: ``{label: metrics rows}`` (rows as in metrics.jsonl; missing keys are skipped).
@@ -41,11 +54,11 @@ def plot_runs(runs: dict, path: str | os.PathLike, title: Optional[str] = None, 
     matplotlib.use("Agg")  # no display needed (and none on CI)
     import matplotlib.pyplot as plt
 
-    panels = PANELS
-    if any(key in r for rows in runs.values() for r in rows for key, _ in DIRECTION_PANELS):
-        panels = PANELS + DIRECTION_PANELS
-    columns = len(panels) // 2
-    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 7))
+    panels = panels_for(runs)
+    columns = math.ceil(len(panels) / 2)
+    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 7), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
     for ax, (key, label) in zip(axes.flat, panels):
         for name, rows in runs.items():
             points = [(r["step"], r[key]) for r in rows if key in r]
