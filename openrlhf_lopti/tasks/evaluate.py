@@ -209,7 +209,9 @@ def generate_local(
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # no per-file "Loading weights" bars in the command's output
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(model_path)
     tok.padding_side = "left"  # decoder-only batches must be left-padded
