@@ -299,3 +299,16 @@ def test_one_line_on_stderr_and_the_traceback_only_with_debug(tmp_path):
     # the module's own entry point reports the same way
     module = [sys.executable, "-m", "openrlhf_lopti.tasks.data", *argv[4:]]
     assert subprocess.run(module, capture_output=True, text=True, timeout=120).stderr == plain.stderr
+
+
+def test_audit_refuses_its_own_earlier_outputs_without_suggesting_resume(tmp_path, capsys, model_dir):
+    out = tmp_path / "audit"
+    out.mkdir()
+    (out / "audit.json").write_text("{}")
+    (out / "notes.md").write_text("mine")
+    before = snapshot(out)
+    assert fails(capsys, ["audit", "--model", str(model_dir), "--out", str(out)]) == (
+        f"openrlhf-lopti audit: error: --out {out} holds outputs of an earlier run (audit.json): pass --overwrite "
+        "to replace them (only these are removed), or choose another --out"
+    )
+    assert snapshot(out) == before

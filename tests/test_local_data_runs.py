@@ -218,3 +218,27 @@ def test_resume_on_a_dataset_run_continues_exactly(model_dir, tmp_path):
     assert strip(resumed.run()) == strip(full)
     weights = [load_checkpoint(run)["model"]["lm_head.weight"] for run in (crashed, tmp_path / "full")]
     assert torch.equal(*weights)
+
+
+def test_kk_default_with_reward_kk_file_scores_as_the_built_in_rule(tmp_path):
+    """No --data: generated K&K puzzles. Scored through tasks/reward_kk.py (queries decoded as OpenRLHF does)
+    the run's rewards equal the built-in paper rule's, step by step."""
+    from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer
+    from openrlhf_lopti.local.warmup import supervised_warmup
+
+    tok = build_word_tokenizer()
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    torch.manual_seed(0)
+    supervised_warmup(model, tok, 30, batch_size=16, lr=1e-2, progress=False)  # rewards then vary
+    save_model(model, tok, tmp_path / "demo_model", prompt_style="compact")
+
+    def run(name, **kw):
+        cfg = TrainConfig(model=str(tmp_path / "demo_model"), out=str(tmp_path / name), steps=3, prompts_per_step=2,
+                          n_samples=4, max_new_tokens=16, mini_batch_size=8, lr=1e-2, loss_backend="torch",
+                          progress=False, **kw)  # fmt: skip
+        return LocalTrainer(cfg).run()
+
+    built_in, via_file = run("built_in"), run("file", reward_file=reward_kk.__file__)
+    assert len({r["reward"] for r in built_in}) > 1
+    assert [r["reward"] for r in via_file] == pytest.approx([r["reward"] for r in built_in])
+    assert [r["accuracy"] for r in via_file] == pytest.approx([r["accuracy"] for r in built_in])
