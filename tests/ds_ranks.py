@@ -92,6 +92,7 @@ def _rank_main(rank: int, world: int, port: int, config: dict, out_dir: str) -> 
         from openrlhf_lopti.openrlhf.cpu.runtime import cpu_settings, setup_cpu_worker
 
         setup_cpu_worker()
+        import deepspeed
         from openrlhf_lopti.cli.train_ppo_ray import parse_args
         from openrlhf_lopti.openrlhf.actor import LoptiPolicyModelActor
         from openrlhf_lopti.openrlhf.cpu.strategy import get_cpu_strategy
@@ -103,6 +104,13 @@ def _rank_main(rank: int, world: int, port: int, config: dict, out_dir: str) -> 
         actor = LoptiPolicyModelActor.__ray_actor_class__(world, rank, "127.0.0.1", port)
         actor.init_model_from_pretrained(strategy, config["model"], config["max_steps"], None)
         engine, trainer = actor.actor.model, actor.trainer
+
+        def param_sum() -> float:  # over the whole model, gathered from the ranks' partitions under ZeRO-3
+            params = list(engine.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, enabled=args.ds.zero_stage == 3):
+                return float(sum(p.detach().double().sum() for p in params))
+
+        result["initial_param_sum"] = param_sum()
 
         def recorded_step(*a, _step=engine.step, **k):
             result["engine_steps"].append(
@@ -125,6 +133,7 @@ def _rank_main(rank: int, world: int, port: int, config: dict, out_dir: str) -> 
                     "lr": trainer.actor_scheduler.get_last_lr()[0],
                     "threshold": trainer.lopti_threshold,
                     "optimizer_steps": int(engine.global_steps),
+                    "param_sum": param_sum(),
                 }
             )
     except BaseException as exc:  # noqa: BLE001 - reported to the test
@@ -143,8 +152,8 @@ def run_ranks(tmp_path: Path, world: int, config: dict, timeout: float = 240) ->
     ``kl_in_reward``, optional ``samples_per_rank``, ``low_p_per_rank``, ``poison=[rank, step]``).
 
     Returns:
-        One dict per rank: ``steps`` (per ``fit``: numeric status, scheduler lr, Lopti threshold, DeepSpeed's
-        optimizer-step count), ``engine_steps`` (per ``engine.step()`` call: phase, boundary) and ``error``
+        One dict per rank: ``initial_param_sum``, ``steps`` (per ``fit``: numeric status, scheduler lr, Lopti threshold, DeepSpeed's
+        optimizer-step count, the sum of all parameters), ``engine_steps`` (per ``engine.step()`` call: phase, boundary) and ``error``
         (the exception text) if the rank raised. A rank still running after ``timeout`` seconds is killed and
         reported with ``error = "timeout"``: a hang.
     """
