@@ -8,7 +8,7 @@ PIP := $(BIN)/pip -q --disable-pip-version-check
 CONSTRAINTS := -c requirements/constraints.txt
 DEMO_ARGS ?=
 
-.PHONY: install demo test bench clean-venv
+.PHONY: install demo test bench mutation clean-venv
 
 install: $(VENV)/.installed
 
@@ -17,8 +17,10 @@ $(VENV)/.installed: setup.py requirements/cpu.txt requirements/constraints.txt $
 	$(PIP) install --upgrade pip setuptools wheel
 	$(PIP) install torch==2.13.0
 	$(PIP) install $(CONSTRAINTS) -r requirements/cpu.txt
-	# deepspeed builds against the installed torch; with build isolation it records torch 0.0
-	$(PIP) install $(CONSTRAINTS) --no-build-isolation deepspeed==0.19.6
+	# deepspeed builds against the installed torch; with build isolation it records torch 0.0. Its CPU
+	# all-reduce op is compiled here: built on first use instead, a process killed mid-build leaves a lock
+	# that makes every later DeepSpeed process on the machine wait forever.
+	DS_ACCELERATOR=cpu DS_BUILD_SHM_COMM=1 $(PIP) install $(CONSTRAINTS) --no-build-isolation deepspeed==0.19.6
 	# openrlhf pins flash-attn, which cannot build on CPU: install it without its deps (they are above)
 	$(PIP) install --no-deps openrlhf==0.11.2
 	$(PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .
@@ -33,6 +35,13 @@ test: install
 bench: install
 	$(BIN)/python benchmarks/bench_policy_loss.py
 	$(BIN)/python benchmarks/bench_cpu_policy_loss.py
+
+# Mutation testing of the core (tools/mutation.py; scores and survivors in TESTING.md). Not part of `test`/CI:
+# tens of minutes on 2 cores. MUTATION_ARGS="--only algo.lopti,tasks.kk" runs some modules.
+MUTATION_ARGS ?=
+mutation: install
+	$(PIP) install $(CONSTRAINTS) -r requirements/mutation.txt
+	nice -n 10 $(BIN)/python tools/mutation.py $(MUTATION_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

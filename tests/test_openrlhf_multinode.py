@@ -2,7 +2,7 @@
 
 A Ray head and a second raylet (a second Ray node), each declaring one logical GPU, started by the script's own
 ``head`` and ``worker`` roles; then ``submit`` runs the script's ``ray job submit`` with the tiny model and a
-few steps. The policy's two data-parallel ranks must land on the two nodes (Ray's state API records the node
+few steps, keeping the script's ZeRO-3, bf16, colocation and sleep settings. The policy's two data-parallel ranks must land on the two nodes (Ray's state API records the node
 of every actor), the job must succeed and the saved model must load with ``from_pretrained``.
 """
 
@@ -23,9 +23,9 @@ from .ds_ranks import free_port
 from .scripts import REPO
 
 SCRIPT = REPO / "examples" / "scripts" / "multinode_kk_grpo_ar_lopti.sh"
+# The script's ZeRO-3 and bf16 stay: the weight sync gathers each partitioned parameter before broadcasting it.
 SHRINK = [
     "--vllm.num_engines", "2", "--vllm.tensor_parallel_size", "1",  # --train.colocate_all: 1 engine per GPU
-    "--ds.zero_stage", "2", "--ds.param_dtype", "fp32",
     "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--rollout.micro_batch_size", "4",
     "--rollout.max_new_tokens", "16", "--data.max_len", "400",
     "--train.batch_size", "8", "--train.micro_batch_size", "2", "--train.num_episodes", "1", "--eval.steps", "1",
@@ -80,7 +80,8 @@ def cluster(tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
         # Ray's daemons (GCS, raylets, dashboard) leave the script's process groups: find them by the temp dir
-        subprocess.run(["pkill", "-f", short], check=False)
+        # (they ignore SIGTERM while their raylet's children shut down)
+        subprocess.run(["pkill", "-9", "-f", short], check=False)
         shutil.rmtree(short, ignore_errors=True)
 
 
