@@ -167,3 +167,55 @@ def check_backend_matches_reference(case: Case, backend: str, device: str = "cpu
     masked_rows = ~inputs["mask"]
     assert torch.all(grad[masked_rows] == 0), "masked rows must get exactly zero gradient"
     assert torch.all(torch.isfinite(grad.float()))
+
+
+# The tests' own copies of the clamp bounds (not imported from the code under test, so a changed constant there
+# fails here): OpenRLHF clamps the log ratio to +-20 before exp, and each KL estimate to +-10.
+LOG_RATIO_BOUND = 20.0
+KL_BOUND = 10.0
+
+
+def textbook_policy_loss(inputs: dict, opts: dict, logits: torch.Tensor) -> dict:
+    """The per-token loss written out from its definition (PAPER_NOTES / OpenRLHF), in float64, with the
+    literal bounds above: an independent reference for the backends and for the reference itself.
+
+    ``logits`` ``[N, V]`` (differentiable); other inputs as :func:`make_inputs`, options as :func:`options`.
+    Returns ``loss``, ``logp``, ``kl``, ``clipped``, ``entropy`` ``[N]`` (0 on masked rows).
+    """
+    keep = inputs["mask"].bool()
+    z = torch.where(keep[:, None], logits.double(), 0.0) / opts["temperature"]
+    log_p = z - z.logsumexp(-1, keepdim=True)
+    labels = inputs["labels"].clamp(0, logits.shape[1] - 1)
+    logp = log_p.gather(-1, labels[:, None]).squeeze(-1)
+    p = log_p.exp()
+    entropy = -(p * log_p).sum(-1)
+    old = torch.where(keep, inputs["old_log_probs"].double(), 0.0)
+    adv = torch.where(keep, inputs["advantages"].double(), 0.0)
+    alpha = opts["alpha"]
+    adv = adv * (alpha * old.exp() + 1.0 - alpha)  # AR, paper Eq. 4
+    ratio = (logp - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1.0 - opts["eps_low"], 1.0 + opts["eps_high"]) * adv
+    pg = -torch.min(surr1, surr2)
+    if opts["dual_clip"] is not None:
+        pg = torch.where(adv < 0, torch.min(pg, -opts["dual_clip"] * adv), pg)
+    kl = torch.zeros_like(logp)
+    if inputs["ref_log_probs"] is not None:
+        x = logp - torch.where(keep, inputs["ref_log_probs"].double(), 0.0)
+        if opts["kl_estimator"] == "k1":
+            kl = x
+        elif opts["kl_estimator"] == "k2":
+            kl = x**2 / 2
+        else:
+            x = x.clamp(min=-KL_BOUND)  # OpenRLHF clamps x first for k3 (exp(-x) stays finite)
+            kl = (-x).exp() - 1 + x
+        kl = kl.clamp(-KL_BOUND, KL_BOUND)
+    loss = pg + opts["kl_coef"] * kl
+    zero = torch.zeros_like(loss)
+    return {
+        "loss": torch.where(keep, loss, zero),
+        "logp": torch.where(keep, logp, zero),
+        "kl": torch.where(keep, kl, zero),
+        "clipped": keep & (surr2 < surr1),
+        "entropy": torch.where(keep, entropy, zero),
+    }

@@ -39,6 +39,7 @@ def test_keeps_dtype_and_shape():
     old = -torch.rand(2, 3, 4, dtype=torch.bfloat16)
     out = reweight_advantages(adv, old, 0.1)
     assert out.dtype == torch.bfloat16 and out.shape == adv.shape
+    torch.testing.assert_close(out, (adv.double() * (0.1 * old.double().exp() + 0.9)).to(torch.bfloat16))
 
 
 def test_extreme_log_probs():
@@ -70,6 +71,10 @@ def test_weight_bounds_and_sign(alpha, p, a):
     adv = torch.full_like(old, a)
     out = reweight_advantages(adv, old, alpha)
     w = ar_weight(old, alpha)
+    # The weight is the formula, token by token (so a weight of 1, i.e. AR off, fails for alpha > 0 and p < 1).
+    want = torch.tensor([alpha * math.exp(lp) + 1 - alpha for lp in old.tolist()], dtype=torch.float64)
+    torch.testing.assert_close(w, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, adv * want, rtol=1e-12, atol=1e-12)
     assert torch.all(w >= 1 - alpha - 1e-6) and torch.all(w <= 1 + 1e-6)
     # Reweighting never flips a sign and never grows an advantage.
     assert torch.all(out * adv >= 0)

@@ -1,11 +1,14 @@
 """Lopti's token partition: low = exp(old) < eta, high = the rest of the masked tokens, in update order."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openrlhf_lopti.algo import lopti_phases
+from openrlhf_lopti.algo.lopti import quantile_threshold
 
 
 def _probs_to_logp(p):
@@ -77,7 +80,8 @@ def test_eta_one_puts_nearly_everything_low_and_tiny_eta_everything_high():
 
 def test_unmasked_nan_is_ignored_but_masked_nan_is_an_error():
     old = torch.tensor([-0.1, float("nan")])
-    lopti_phases(old, torch.tensor([True, False]))
+    low, high = lopti_phases(old, torch.tensor([True, False]))
+    assert low.tolist() == [False, False] and high.tolist() == [True, False]  # p = 0.905: high; NaN row: neither
     with pytest.raises(ValueError, match="NaN"):
         lopti_phases(old, torch.tensor([True, True]))
 
@@ -91,6 +95,30 @@ def test_quantile_threshold_matches_torch_quantile():
     assert torch.equal(low, mask & (old.exp() < eta))
     frac = low.sum().item() / mask.sum().item()
     assert abs(frac - q) < 0.02
+
+
+def test_quantile_threshold_by_hand():
+    # sorted p = 0.1 .. 0.5; q = 0.3: position 0.3 * 4 = 1.2, threshold 0.2 + 0.2 * (0.3 - 0.2) = 0.22
+    probs = torch.tensor([0.5, 0.1, 0.4, 0.2, 0.3])
+    assert quantile_threshold(probs, 0.3) == pytest.approx(0.22)
+    assert quantile_threshold(probs, 0.5) == pytest.approx(0.3)  # an exact position: that value
+    assert quantile_threshold(torch.tensor([0.7]), 0.3) == pytest.approx(0.7)
+    mask = torch.tensor([True, True, True, True, True, False])
+    old = torch.tensor([0.5, 0.1, 0.4, 0.2, 0.3, 0.15]).log()  # the masked 0.15 takes no part in the quantile
+    low, high = lopti_phases(old, mask, eta=0.9, quantile=0.3)
+    assert low.tolist() == [False, True, False, True, False, False]  # p < 0.22
+    assert high.tolist() == [True, False, True, False, True, False]
+    # one masked token: the quantile of one value is that value, and p < p is false
+    low, high = lopti_phases(old[:1], mask[:1], eta=0.9, quantile=0.3)
+    assert low.tolist() == [False] and high.tolist() == [True]
+
+
+def test_probabilities_are_compared_in_fp32_for_bf16_log_probs():
+    # bf16(log 0.5) = -0.69140625, p = 0.50088 in fp32; exp in bf16 would round p to 0.5, below eta = 0.5005
+    old = torch.tensor([math.log(0.5)], dtype=torch.bfloat16)
+    assert math.exp(float(old[0])) > 0.5005
+    low, high = lopti_phases(old, None, eta=0.5005)
+    assert low.tolist() == [False] and high.tolist() == [True]
 
 
 @pytest.mark.parametrize(

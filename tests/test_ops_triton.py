@@ -20,7 +20,15 @@ from openrlhf_lopti.algo import policy_loss_from_logits
 from openrlhf_lopti.ops import fused_policy_loss
 from openrlhf_lopti.ops import triton as triton_ops
 
-from .kernel_cases import CASES, EXTREME_CASES, Case, check_backend_matches_reference, make_inputs, options
+from .kernel_cases import (
+    CASES,
+    EXTREME_CASES,
+    Case,
+    check_backend_matches_reference,
+    make_inputs,
+    options,
+    textbook_policy_loss,
+)
 
 from openrlhf_lopti.ops.triton import policy_loss as kernels  # conftest has set TRITON_INTERPRET by now
 
@@ -172,20 +180,67 @@ def test_masked_rows_are_never_read():
     assert torch.all(grad_b[masked] == 0)
 
 
-def test_strided_rows_are_read_in_place():
-    """A row stride larger than V (a slice of a wider buffer) is used as is; a transposed view still works."""
+class _LaunchSpy:
+    """Stands in for a kernel: records the logits pointer and row stride of each launch, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.logits = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.logits.append((args[0].data_ptr(), args[1]))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def test_strided_rows_are_read_in_place(monkeypatch):
+    """A row stride larger than V (a slice of a wider buffer) is handed to both kernels as is (same memory, its
+    own stride: no copy); a transposed view is copied once and still gives the right values."""
     case = Case(n=10, v=50, entropy=True, kl="k1", seed=13)
     inputs = make_inputs(case, DEVICE)
     wide = torch.zeros(case.n, case.v + 13, dtype=case.dtype, device=DEVICE)
     wide[:, : case.v] = inputs["logits"]
-    sliced = wide[:, : case.v]
-    transposed = inputs["logits"].t().contiguous().t()
+    sliced = wide[:, : case.v].requires_grad_(True)
+    transposed = inputs["logits"].t().contiguous().t().requires_grad_(True)
     assert sliced.stride(0) == case.v + 13 and transposed.stride(-1) != 1
     want = _call(inputs, backend="torch", **options(case))
     for logits in (sliced, transposed):
+        spies = {name: _LaunchSpy(getattr(kernels, name)) for name in ("_policy_loss_fwd_kernel", "_policy_loss_bwd_kernel")}
+        for name, spy in spies.items():
+            monkeypatch.setattr(kernels, name, spy)
         got = _call(dict(inputs, logits=logits), backend="triton", **options(case))
+        (got.loss.sum() + got.entropy.sum()).backward()
         for name in ("loss", "logp", "kl", "entropy"):
             torch.testing.assert_close(getattr(got, name), getattr(want, name).detach(), rtol=1e-5, atol=1e-5)
+        launched = [spy.logits for spy in spies.values()]
+        if logits is sliced:
+            assert launched == [[(sliced.data_ptr(), case.v + 13)]] * 2, launched
+        else:  # a copy with contiguous rows, made once and read by both kernels
+            (fwd,), (bwd,) = launched
+            assert fwd == bwd and fwd[0] != transposed.data_ptr() and fwd[1] == case.v
+
+
+@pytest.mark.parametrize("name", ["log-ratio-clamp", "k1-clamp", "k2-clamp", "k3-clamp", "dual-clip-binds"])
+def test_clamps_are_the_literal_bounds(name):
+    """The kernel clamps the log ratio at +-20 and the KL at +-10: checked against the loss written out in the test
+    with its own literal bounds (the kernel takes its constants from the reference module, so comparing with the
+    reference alone would not see a changed constant)."""
+    case = EXTREME_CASES[name]
+    inputs, opts = make_inputs(case, DEVICE), options(case)
+    leaf = _leaf(inputs)
+    with mock.patch.dict(os.environ, _launch_env(block_v=32)):
+        got = _call(leaf, backend="triton", **opts)
+    got.loss.sum().backward()
+    cpu = {k: None if v is None else v.cpu() for k, v in inputs.items()}
+    logits = cpu["logits"].clone().requires_grad_(True)
+    want = textbook_policy_loss(cpu, opts, logits)
+    want["loss"].sum().backward()
+    for field in ("loss", "kl"):
+        torch.testing.assert_close(getattr(got, field).cpu().double(), want[field].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(leaf["logits"].grad.cpu().double(), logits.grad.double(), rtol=1e-4, atol=1e-6)
 
 
 def test_only_per_row_vectors_are_saved_for_backward():
