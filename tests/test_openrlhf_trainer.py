@@ -232,6 +232,41 @@ def params_equal(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.actor.parameters(), b.actor.parameters()))
 
 
+def upstream_lopti_round(env, flags, eta: float, alpha: float, edit=None):
+    """AR + Lopti written out in the test on upstream's own trainer: the independent reference of our trainer with
+    ``--algo.lopti_denominator phase``. The phases are the response tokens with rollout probability p < eta, then
+    the others; each is one pass of upstream's ``ppo_train`` on the experience with the phase as its action mask
+    (so upstream's token-mean denominators count the phase's tokens) and advantages A * (alpha * p + 1 - alpha)
+    on the phase, 0 elsewhere. The second pass starts from the weights and optimizer state the first left."""
+    args = make_args(*flags, "--actor.fused_loss", "off")
+    actor = make_actor(env, args)
+    experience = make_experience(env.rollout, actor)
+    if edit is not None:
+        edit(experience)
+    trainer, strategy = make_trainer(env, Upstream, args, actor, record_grads=True)
+    p = experience.action_log_probs.exp()
+    low = experience.action_mask & (p < eta)
+    torch.manual_seed(3)  # the DataLoader's shuffle, as train_round
+    statuses = []
+    for phase in (low, experience.action_mask & ~low):
+        item = copy.copy(experience)
+        item.action_mask = phase
+        item.advantages = experience.advantages * (alpha * p + 1 - alpha) * phase
+        trainer.replay_buffer.clear()
+        trainer.replay_buffer.append(item)
+        statuses.append(trainer.ppo_train(KL_CTL))
+    return SimpleNamespace(strategy=strategy, statuses=statuses, actor=actor, experience=experience, low=low)
+
+
+def assert_first_step_of_each_phase_matches(ours, reference):
+    """The gradients of the first optimizer step of each phase (4 steps each) equal the reference's."""
+    assert [step["phase"] for step in ours.strategy.steps] == ["low"] * 4 + ["high"] * 4
+    assert len(reference.strategy.steps) == 8
+    for i in (0, 4):
+        for x, y in zip(ours.strategy.steps[i]["grads"], reference.strategy.steps[i]["grads"]):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
 @pytest.fixture
 def spy_upstream_step(monkeypatch):
     """Record what upstream's training_step receives (after our phase masking) and its forward's log-probs."""
@@ -304,6 +339,25 @@ def test_phase_masks_advantages_and_denominators(denominator, env, spy_upstream_
     assert torch.equal(run.experience.action_log_probs, original.action_log_probs)
 
 
+@pytest.mark.parametrize("denominator", ["all", "phase"])
+def test_quantile_phases_train_exactly_the_tokens_below_the_rounds_threshold(denominator, env, spy_upstream_step):
+    flags = ["--algo.lopti_eta", "0.9", "--algo.lopti_quantile", "0.4", "--algo.lopti_denominator", denominator]
+    run = train_round(env, Lopti, make_args(*flags))
+    p, response = run.experience.action_log_probs.exp(), run.experience.action_mask
+    threshold = torch.quantile(p[response].double(), 0.4).item()  # torch's own quantile, not ours
+    assert run.status["lopti/threshold"] == pytest.approx(threshold, rel=1e-6)
+    assert ((p < threshold) != (p < 0.9))[response].any()  # eta's phases would differ: the threshold must be used
+    seen = {"low": 0, "high": 0}
+    for call in spy_upstream_step:
+        low = call["response"] & (call["old"].exp() < threshold)
+        expected = low if call["phase"] == "low" else call["response"] & ~low
+        assert torch.equal(call["mask"].bool(), expected), call["phase"]
+        assert torch.all(call["advantages"][~expected] == 0)
+        seen[call["phase"]] += int(expected.sum())
+    low_total = int((response & (p < threshold)).sum())
+    assert seen == {"low": low_total, "high": int(response.sum()) - low_total} and low_total > 0
+
+
 @pytest.mark.parametrize("fused", ["off", "torch"])
 @pytest.mark.parametrize("denominator", ["all", "phase"])
 def test_eta_putting_every_token_in_one_phase_is_exactly_the_baseline(fused, denominator, env):
@@ -373,9 +427,13 @@ def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, env):
     flags = ["--algo.ar_alpha", alpha, "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.dual_clip", "3"]
     if packing:
         flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
-    # reference: upstream's PolicyLoss; with alpha > 0 our off path reweights the advantages (AR) before it
-    reference_cls = Upstream if alpha == "0" else Lopti
-    reference = train_round(env, reference_cls, make_args(*flags, "--actor.fused_loss", "off"), record_grads=True)
+    # reference: upstream's trainer and PolicyLoss, with AR written out here on the experience's advantages
+    a = float(alpha)
+
+    def reweight(experience):
+        experience.advantages = experience.advantages * (a * experience.action_log_probs.exp() + 1 - a)
+
+    reference = train_round(env, Upstream, make_args(*flags, "--actor.fused_loss", "off"), record_grads=True, edit=reweight)
     fused = train_round(env, Lopti, make_args(*flags, "--actor.fused_loss", "torch"), record_grads=True)
     assert fused.trainer.fused_backend == "torch" and fused.actor.packing_samples == packing
     assert len(fused.strategy.steps) == len(reference.strategy.steps) == 4
@@ -388,20 +446,20 @@ def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, env):
 @pytest.mark.parametrize("packing", [False, True])
 def test_fused_entropy_matches_upstream_entropy_loss_and_gradients(packing, env, eager_entropy):
     # Lopti masks the entropy term to each phase; temperature 0.7: the kernel divides, not Actor.forward
-    flags = ["--actor.entropy_coef", "0.5", "--rollout.temperature", "0.7", "--algo.lopti_eta", "0.5"]
-    flags += ["--algo.ar_alpha", "0.3", "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.dual_clip", "3"]
+    # reference: upstream's trainer run once per phase with AR and the phase written out in the test
+    flags = ["--actor.entropy_coef", "0.5", "--rollout.temperature", "0.7"]
+    flags += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.dual_clip", "3"]
     if packing:
         flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
-    reference = train_round(env, Lopti, make_args(*flags, "--actor.fused_loss", "off"), record_grads=True)
-    fused = train_round(env, Lopti, make_args(*flags, "--actor.fused_loss", "torch"), record_grads=True)
+    reference = upstream_lopti_round(env, flags, eta=0.5, alpha=0.3)
+    lopti = ["--algo.lopti_eta", "0.5", "--algo.ar_alpha", "0.3", "--algo.lopti_denominator", "phase"]
+    fused = train_round(env, Lopti, make_args(*flags, *lopti, "--actor.fused_loss", "torch"), record_grads=True)
     assert fused.actor.temperature == 0.7 and fused.actor.packing_samples == packing
-    phases = [step["phase"] for step in fused.strategy.steps]
-    assert phases == [step["phase"] for step in reference.strategy.steps] == ["low"] * 4 + ["high"] * 4
-    for i in (0, phases.index("high")):  # the first step of each phase
-        for x, y in zip(fused.strategy.steps[i]["grads"], reference.strategy.steps[i]["grads"]):
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
-    for key in ("entropy_loss", "lopti/low/entropy_loss", "lopti/high/entropy_loss", "policy_loss", "kl"):
-        assert fused.status[key] == pytest.approx(reference.status[key], rel=1e-4, abs=1e-6), key
+    assert_first_step_of_each_phase_matches(fused, reference)
+    for i, phase in enumerate(("low", "high")):
+        for key in ("entropy_loss", "policy_loss", "kl"):
+            want = reference.statuses[i][key]
+            assert fused.status[f"lopti/{phase}/{key}"] == pytest.approx(want, rel=1e-4, abs=1e-6), (phase, key)
     assert fused.status["entropy_loss"] > 0.1  # a real entropy term, large enough to move the gradients
 
 
@@ -531,23 +589,29 @@ ESTIMATORS = ["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "d
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_every_advantage_estimator(estimator, env):
-    flags = ["--algo.ar_alpha", "0.3", "--algo.lopti_eta", "0.5", "--actor.fused_loss", "torch"]
-    args = make_args("--algo.advantage.estimator", estimator, *flags)
+    base = ["--algo.advantage.estimator", estimator]
+    flags = ["--algo.ar_alpha", "0.3", "--algo.lopti_eta", "0.5", "--algo.lopti_denominator", "phase"]
+    args = make_args(*base, *flags, "--actor.fused_loss", "torch")
 
     def upstream_advantages(experience):
         # what OpenRLHF's experience maker does to a batch, with its own code
         experience.index = list(range(len(experience.sequences)))
         experience.kl = torch.zeros_like(experience.action_log_probs)
-        experience.values = 0.1 * torch.randn(experience.action_log_probs.shape) * experience.action_mask
+        noise = torch.randn(experience.action_log_probs.shape, generator=torch.Generator().manual_seed(4))
+        experience.values = 0.1 * noise * experience.action_mask
         kl_ctl = FixedKLController(KL_CTL)
         maker = RemoteExperienceMaker(None, None, None, None, kl_ctl, SimpleNamespace(args=args), None)
         (done,) = maker.compute_advantages_and_returns([experience])
         experience.advantages, experience.index, experience.values = done.advantages, None, None
 
-    run = train_round(env, Lopti, args, edit=upstream_advantages)
-    assert [step["phase"] for step in run.strategy.steps] == ["low"] * 4 + ["high"] * 4
+    run = train_round(env, Lopti, args, edit=upstream_advantages, record_grads=True)
+    # reference: upstream's trainer once per phase, AR and the phase written out in the test
+    reference = upstream_lopti_round(env, base, eta=0.5, alpha=0.3, edit=upstream_advantages)
+    assert_first_step_of_each_phase_matches(run, reference)
+    response, p = run.experience.action_mask, run.experience.action_log_probs.exp()
+    assert ((0.3 * p + 0.7 - 1).abs()[response] > 0.05).any()  # AR changes these advantages: the match above sees it
+    assert (run.experience.advantages[response] != 0).any()
     assert all(torch.isfinite(p).all() for p in run.actor.parameters())
-    assert torch.isfinite(torch.tensor(run.status["policy_loss"]))
 
 
 # ---------------------------------------------------------------- start-up errors
@@ -574,7 +638,7 @@ def test_trainer_rejects_what_cannot_work_at_start_up(edit, message, env):
 
 # ---------------------------------------------------------------- the Ray actor class, in process
 @pytest.mark.parametrize("shipped", [True, False], ids=["as-ray-ships-it", "plain-class"])
-def test_policy_model_actor_builds_our_trainer_and_trains(shipped, env, tmp_path):
+def test_policy_model_actor_builds_our_trainer_and_trains(shipped, env, tmp_path, spy_upstream_step):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
@@ -616,4 +680,13 @@ def test_policy_model_actor_builds_our_trainer_and_trains(shipped, env, tmp_path
     status = policy.fit(kl_ctl=KL_CTL)
     assert [step["phase"] for step in strategy.steps] == ["low"] * 4 + ["high"] * 4
     assert {"lopti/low/policy_loss", "lopti/high/policy_loss", "ar/mean_weight", "lopti/low_token_frac"} <= set(status)
+    # the values, from the rollout's probabilities by hand: AR's mean weight, the low fraction, the phases' tokens
+    p, response = experience.action_log_probs.exp(), experience.action_mask.bool()
+    assert status["ar/mean_weight"] == pytest.approx((0.3 * p + 0.7)[response].mean().item(), rel=1e-6)
+    assert status["lopti/low_token_frac"] == pytest.approx((p[response] < 0.5).float().mean().item())
+    assert 0 < status["lopti/low_token_frac"] < 1
+    for call in spy_upstream_step:
+        low = call["response"] & (call["old"].exp() < 0.5)
+        assert torch.equal(call["mask"].bool(), low if call["phase"] == "low" else call["response"] & ~low)
+    assert [call["phase"] for call in spy_upstream_step] == ["low"] * 4 + ["high"] * 4
     assert not policy.trainer.replay_buffer.items  # fit clears the buffer, as upstream
