@@ -48,13 +48,17 @@ def test_a_run_writes_metrics_checkpoint_plots_and_a_loadable_model(model_dir, t
         assert all(key in r for r in rows), key
     assert 0.7 <= rows[0]["mean_ar_weight"] <= 1.0
     assert "eval_accuracy" in rows[-1] and "eval_accuracy" not in rows[0]
-    assert any(r["reward"] != rows[0]["reward"] for r in rows) or len({r["grad_norm"] for r in rows}) > 1
     out = tmp_path / "run"
     assert (out / "plots.png").stat().st_size > 0
     assert json.loads((out / "config.json").read_text())["lopti"] is True
     assert load_checkpoint(out)["step"] == 4
     model, tok, style = load_model(out / "final_model")
     assert style == "compact" and len(tok) == model.config.vocab_size
+    # it trained: some gradient was nonzero and the saved weights moved away from the starting model's
+    assert any(r["grad_norm"] > 0 for r in rows)
+    start, _, _ = load_model(model_dir)
+    moved = [not torch.equal(a, b) for a, b in zip(start.state_dict().values(), model.state_dict().values())]
+    assert len(moved) == len(start.state_dict()) and any(moved)
 
 
 def test_resume_after_a_crash_continues_exactly(model_dir, tmp_path):
