@@ -42,6 +42,16 @@ def test_keeps_dtype_and_shape():
     torch.testing.assert_close(out, (adv.double() * (0.1 * old.double().exp() + 0.9)).to(torch.bfloat16))
 
 
+def test_weight_is_fp32_for_low_precision_log_probs():
+    """p is computed in fp32 (fp64 stays fp64): bf16 log-probs do not give an 8-bit weight."""
+    old = torch.tensor([-0.7, -0.05, -3.0], dtype=torch.bfloat16)
+    w = ar_weight(old, 0.3)
+    assert w.dtype == torch.float32
+    want = torch.tensor([0.3 * math.exp(float(x)) + 0.7 for x in old])
+    torch.testing.assert_close(w, want, rtol=1e-6, atol=1e-7)
+    assert ar_weight(old.double(), 0.3).dtype == torch.float64
+
+
 def test_extreme_log_probs():
     adv = torch.tensor([1.0, 1.0, -1.0])
     old = torch.tensor([-1e4, 0.0, -float("inf")])

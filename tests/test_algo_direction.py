@@ -135,3 +135,42 @@ def test_bad_inputs_name_the_argument():
     assert counts[0].sum() == 3
     with pytest.raises(ValueError, match="counts"):
         direction_metrics(torch.zeros(4, 4))
+
+
+def test_ties_and_zero_advantages_count_in_no_direction():
+    """An unchanged log-prob neither rose nor fell; an advantage of 0 is neither positive nor negative."""
+    old = torch.tensor([0.1, 0.1, 0.3, 0.3, 0.6, 0.9]).log()
+    new = old + torch.tensor([0.0, -0.1, 0.0, 0.1, -0.1, -0.1])
+    adv = torch.tensor([-1.0, 0.0, -0.5, 0.5, 0.0, -0.5])
+    got = counts_dict(direction_counts(old, new, adv))
+    # Q1: a negative tie and a zero-advantage fall; Q2: a negative tie and a positive rise; Q3: a zero-advantage
+    # fall; Q4: a negative fall
+    assert got == {"tokens": [2, 2, 1, 1], "pos": [0, 1, 0, 0], "pos_up": [0, 1, 0, 0], "neg": [1, 1, 0, 1],
+                   "neg_down": [0, 0, 0, 1]}  # fmt: skip
+
+
+def test_metrics_are_shares_of_the_bins_counts():
+    counts = torch.tensor([[5.0, 4, 3, 2], [4, 0, 1, 0], [1, 0, 1, 0], [2, 3, 0, 1], [1, 3, 0, 0]], dtype=torch.float64)
+    metrics = direction_metrics(counts)
+    assert metrics["direction/pos_up_q1"] == 0.25 and metrics["direction/pos_up_q3"] == 1.0
+    assert metrics["direction/neg_down_q1"] == 0.5 and metrics["direction/neg_down_q2"] == 1.0
+    assert metrics["direction/neg_down_q4"] == 0.0
+    assert "direction/pos_up_q2" not in metrics and "direction/neg_down_q3" not in metrics  # empty: no share
+    assert metrics["direction/tokens_q1"] == 5 and metrics["direction/neg_tokens_q2"] == 3
+
+
+def test_error_messages_start_with_the_argument():
+    old = torch.zeros(4)
+    bad = torch.tensor([0.0, float("inf"), 0.0, 0.0])
+    cases = [
+        ((old, torch.zeros(5), old), "new_log_probs must have old_log_probs' shape"),
+        ((old, old, torch.zeros(3)), "advantages must have old_log_probs' shape"),
+        ((old, old, old, torch.ones(5)), "mask must have old_log_probs' shape"),
+        ((bad, old, old), "old_log_probs has non-finite values"),
+        ((old, bad, old), "new_log_probs has non-finite values"),
+        ((old, old, bad), "advantages has non-finite values"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=f"^{message}"):
+            direction_counts(*args)
+    assert sum_direction_counts([]).dtype == torch.float64
