@@ -21,6 +21,7 @@ COMMANDS = {
     "study": ("openrlhf_lopti.audit.study", "seeds x methods on one setting, with 95% confidence intervals"),
     "eval": ("openrlhf_lopti.tasks.evaluate", "accuracy of generations per K&K size / math benchmark"),
     "data": ("openrlhf_lopti.tasks.data", "write OpenRLHF prompt datasets (K&K, math)"),
+    "tiny-model": ("openrlhf_lopti.local.tiny_model", "a random tiny Llama + K&K tokenizer (HF format) for dry runs"),
     "bench": ("benchmarks.bench_policy_loss", "benchmark the fused policy loss against OpenRLHF's path"),
 }
 

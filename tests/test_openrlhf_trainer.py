@@ -37,6 +37,7 @@ from openrlhf_lopti.algo import ar_weight  # noqa: E402
 from openrlhf_lopti.cli.train_ppo_ray import parse_args  # noqa: E402
 from openrlhf_lopti.openrlhf.actor import LoptiPolicyModelActor  # noqa: E402
 from openrlhf_lopti.openrlhf.cpu.strategy import get_cpu_strategy  # noqa: E402
+from openrlhf_lopti.openrlhf.fused import fused_log_probs  # noqa: E402
 from openrlhf_lopti.openrlhf.trainer import LoptiActorPPOTrainer, merge_phase_status  # noqa: E402
 
 VOCAB, PROMPT, RESPONSE = 64, 5, 6
@@ -483,6 +484,16 @@ class VocabSizedTensorSpy(TorchDispatchMode):
         return [seen for seen in self.vocab_sized if seen[1] == torch.float32]
 
 
+def experience_making(actor, rollout, backend, lm_head=False):
+    """The forward-only pass of experience making (old-policy and reference log-probs), as our Ray actors run it."""
+    action_mask = rollout.attention_mask[:, PROMPT:]
+    with torch.no_grad():
+        if backend is None:  # --actor.fused_loss off: upstream's path
+            return actor(rollout.sequences, action_mask, rollout.attention_mask)
+        with fused_log_probs(actor, backend, lm_head):
+            return actor(rollout.sequences, action_mask, rollout.attention_mask)
+
+
 @pytest.mark.parametrize("packing", [False, True])
 def test_fused_loss_never_makes_an_fp32_copy_of_the_logits(packing, env):
     from openrlhf_lopti.ops.cpp_policy_loss import cpp_available
@@ -496,8 +507,10 @@ def test_fused_loss_never_makes_an_fp32_copy_of_the_logits(packing, env):
         args = make_args(*flags, "--actor.fused_loss", fused, "--ds.param_dtype", "bf16")
         actor = make_actor(env, args).to(torch.bfloat16)  # bf16 weights: bf16 logits, as on a GPU
         trainer, strategy = make_trainer(env, Lopti, args, actor)
-        trainer.replay_buffer.append(make_experience(env.rollout, actor))
-        with VocabSizedTensorSpy() as spies[fused]:
+        experience = make_experience(env.rollout, actor)
+        with VocabSizedTensorSpy() as spies[fused]:  # a whole step: experience making, then training
+            experience.action_log_probs = experience_making(actor, env.rollout, trainer.fused_backend)
+            trainer.replay_buffer.append(experience)
             trainer.ppo_train(KL_CTL)
         assert len(strategy.steps) == 4 and all(torch.isfinite(p).all() for p in actor.parameters())
     # the spy sees the fp32 copy upstream's Actor.forward makes (logits.to(torch.float32)) ...
@@ -507,6 +520,71 @@ def test_fused_loss_never_makes_an_fp32_copy_of_the_logits(packing, env):
     assert {fwd, bwd} <= spies["auto"].ops
     assert (bwd, torch.bfloat16) in {seen[:2] for seen in spies["auto"].vocab_sized}
     assert spies["auto"].float32() == []
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("lm_head", [False, True], ids=["logits", "lm_head"])
+def test_forward_only_passes_through_the_kernels_give_upstream_log_probs(lm_head, packing, env):
+    flags = ["--rollout.temperature", "0.7", "--actor.fused_loss", "torch"]
+    flags += ["--ds.packing_samples", "--vllm.num_engines", "1"] if packing else []
+    args = make_args(*flags)
+    actor = make_actor(env, args)
+    upstream = experience_making(actor, env.rollout, None)  # OpenRLHF's log_probs_from_logits of fp32 logits
+    ours = experience_making(actor, env.rollout, "torch", lm_head)
+    torch.testing.assert_close(ours, upstream, rtol=1e-5, atol=1e-6)
+    assert torch.all(ours[~env.rollout.attention_mask[:, PROMPT:].bool()] == 0)  # masked like upstream's
+
+
+@pytest.mark.parametrize(
+    "variant", ["plain", "tied", "packed", "gradient_checkpointing", "lora"],
+)
+def test_fused_lm_head_trains_like_the_fused_logits_loss(variant, env, eager_entropy):
+    """Same loss, entropy, KL and parameter gradients, whether the kernels read the logits or the lm_head makes
+    them chunk by chunk (here for every weight the model has: with tied embeddings the lm_head IS the input
+    embedding, whose gradient then sums both uses)."""
+    flags = ["--actor.entropy_coef", "0.5", "--rollout.temperature", "0.7", "--algo.lopti_eta", "0.5"]
+    flags += ["--algo.ar_alpha", "0.3", "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.fused_loss", "torch"]
+    flags += ["--ds.packing_samples", "--vllm.num_engines", "1"] if variant == "packed" else []
+    config = copy.deepcopy(env.config)
+    config.tie_word_embeddings = variant == "tied"
+
+    def build(args):
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(env.state, strict=False)
+        if variant == "tied":
+            model.tie_weights()
+        if variant == "gradient_checkpointing":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if variant == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            torch.manual_seed(5)
+            model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        actor = Actor(model, temperature=args.rollout.temperature)
+        actor.packing_samples = args.ds.packing_samples
+        return actor
+
+    runs = {}
+    for name, extra in (("logits", []), ("lm_head", ["--actor.fused_lm_head"])):
+        args = make_args(*flags, *extra)
+        actor = build(args)
+        experience = make_experience(env.rollout, actor)
+        trainer, strategy = make_trainer(env, Lopti, args, actor, record_grads=True)
+        trainer.replay_buffer.append(experience)
+        torch.manual_seed(3)
+        runs[name] = SimpleNamespace(status=trainer.ppo_train(KL_CTL), steps=strategy.steps)
+    assert [step["phase"] for step in runs["lm_head"].steps] == ["low"] * 4 + ["high"] * 4
+    for a, b in zip(runs["lm_head"].steps, runs["logits"].steps):
+        for x, y in zip(a["grads"], b["grads"]):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+    for key in ("policy_loss", "entropy_loss", "kl", "ppo_clip_ratio", "lopti/low/policy_loss"):
+        assert runs["lm_head"].status[key] == pytest.approx(runs["logits"].status[key], rel=1e-4, abs=1e-7), key
+
+
+def test_fused_lm_head_needs_the_fused_loss(capsys):
+    with pytest.raises(SystemExit):
+        make_args("--actor.fused_lm_head", "--actor.fused_loss", "off")
+    assert "--actor.fused_lm_head needs the fused loss" in capsys.readouterr().err
 
 
 def test_ar_changes_the_update_and_logs_the_mean_weight(env):
@@ -673,9 +751,10 @@ def test_policy_model_actor_builds_our_trainer_and_trains(shipped, env, tmp_path
     strategy.steps = record_optimizer_steps(policy.actor.model, policy.trainer, record_grads=False)
 
     action_mask = env.rollout.attention_mask[:, PROMPT:]
-    old = policy.forward(env.rollout.sequences, action_mask, env.rollout.attention_mask)  # upstream's method
-    experience = make_experience(env.rollout, policy.actor)
-    torch.testing.assert_close(old, experience.action_log_probs, rtol=0, atol=0)
+    # upstream's forward-only pass, here through our kernel (the fused loss is on): OpenRLHF's log-probs
+    old = policy.forward(env.rollout.sequences, action_mask, env.rollout.attention_mask)
+    experience = make_experience(env.rollout, policy.actor)  # the Actor called directly: upstream's own path
+    torch.testing.assert_close(old, experience.action_log_probs, rtol=1e-5, atol=1e-6)
     policy.append(experience)
     status = policy.fit(kl_ctl=KL_CTL)
     assert [step["phase"] for step in strategy.steps] == ["low"] * 4 + ["high"] * 4

@@ -8,13 +8,13 @@ It has a ChatML chat template (``--data.apply_chat_template``) whose end-of-turn
 weights are random: rewards are near the format floor, which is what a dry run needs.
 """
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
 from openrlhf_lopti.tasks import kk
 
 SPECIALS = {"pad": "<|endoftext|>", "bos": "<|im_start|>", "eos": "<|im_end|>"}
@@ -73,7 +73,7 @@ def build_tiny_model(hidden_size: int = 64, num_layers: int = 2, num_heads: int 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if hidden_size % num_heads:
-        raise ValueError(f"--hidden-size ({hidden_size}) must be divisible by --heads ({num_heads})")
+        raise UserError(f"--hidden-size ({hidden_size}) must be divisible by --heads ({num_heads})")
     tokenizer = build_kk_tokenizer(vocab_size, seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -96,8 +96,8 @@ def build_tiny_model(hidden_size: int = 64, num_layers: int = 2, num_heads: int 
     return model, tokenizer
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="openrlhf-lopti tiny-model", description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="openrlhf-lopti tiny-model", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory to write (must not exist or be empty)")
     p.add_argument("--hidden-size", type=int, default=64, help="model width (default 64)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
@@ -112,20 +112,14 @@ def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"tiny-model: --out {str(out)!r} exists and is not an empty directory; choose a new path", file=sys.stderr)
-        return 2
+        raise UserError(f"--out {str(out)!r} exists and is not an empty folder: choose a new path")
     for flag, value in (("--hidden-size", args.hidden_size), ("--layers", args.layers), ("--heads", args.heads),
                         ("--vocab-size", args.vocab_size), ("--max-positions", args.max_positions)):  # fmt: skip
         if value < 1:
-            print(f"tiny-model: {flag} must be >= 1, got {value}", file=sys.stderr)
-            return 2
-    try:
-        model, tokenizer = build_tiny_model(
-            args.hidden_size, args.layers, args.heads, args.max_positions, args.vocab_size, args.seed
-        )
-    except ValueError as exc:
-        print(f"tiny-model: {exc}", file=sys.stderr)
-        return 2
+            raise UserError(f"{flag} must be an integer >= 1, got {value}")
+    model, tokenizer = build_tiny_model(
+        args.hidden_size, args.layers, args.heads, args.max_positions, args.vocab_size, args.seed
+    )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
@@ -134,4 +128,4 @@ def main(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("openrlhf-lopti tiny-model", main, sys.argv[1:]))

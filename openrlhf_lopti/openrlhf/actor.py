@@ -1,10 +1,24 @@
-"""``LoptiPolicyModelActor``: OpenRLHF 0.11.2's Ray ``PolicyModelActor``, training with ``LoptiActorPPOTrainer``."""
+"""Our Ray model actors: OpenRLHF 0.11.2's ``PolicyModelActor`` training with ``LoptiActorPPOTrainer``, and both it and
+``ReferenceModelActor`` computing their forward-only log-probs with our kernels when the fused loss is on."""
 
 import ray
 
+from openrlhf.trainer.ray.launcher import ReferenceModelActor
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
+from .flags import fused_backend, lopti_config
+from .fused import fused_log_probs
 from .trainer import LoptiActorPPOTrainer
+
+
+def forward_with_kernels(strategy, actor, upstream_forward, *args, **kwargs):
+    """``upstream_forward(*args, **kwargs)`` (an actor's forward-only pass over ``actor``) with our kernels when
+    ``--actor.fused_loss`` is on (:func:`~.fused.fused_log_probs`), upstream's own path otherwise."""
+    backend = fused_backend(strategy.args)
+    if backend is None:
+        return upstream_forward(*args, **kwargs)
+    with fused_log_probs(actor, backend, lopti_config(strategy.args).fused_lm_head):
+        return upstream_forward(*args, **kwargs)
 
 
 # @ray.remote classes cannot be subclassed; Ray keeps the plain class as `__ray_actor_class__` and asks to
@@ -31,3 +45,17 @@ class LoptiPolicyModelActor(PolicyModelActor.__ray_actor_class__):
             names["ActorPPOTrainer"] = upstream_trainer
         # A resumed run continues the RL step count of the checkpoint (the trainer names steps in its errors).
         self.trainer.rl_step = int(self.checkpoint_states.get("global_step", 0))
+
+    def forward(self, *args, **kwargs):
+        """Upstream's old-policy log-prob pass (``[B, A]``, nats), through our kernels with the fused loss on."""
+        return forward_with_kernels(self.strategy, self.actor, super().forward, *args, **kwargs)
+
+
+@ray.remote(num_gpus=1)
+class LoptiReferenceModelActor(ReferenceModelActor.__ray_actor_class__):
+    """Upstream's reference-model actor; its log-prob pass goes through our kernels with the fused loss on."""
+
+    def forward(self, *args, **kwargs):
+        """Upstream's reference log-prob pass (``[B, A]``, nats), through our kernels with the fused loss on."""
+        return forward_with_kernels(self.strategy, self.model, super().forward, *args, **kwargs)
+

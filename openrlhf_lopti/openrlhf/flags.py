@@ -8,6 +8,7 @@ Flag -> config field (all dotted like upstream's, so ``hierarchize`` nests them 
     --algo.lopti_quantile      lopti_quantile      threshold = this quantile of the batch's token probabilities
     --algo.lopti_denominator   lopti_denominator   all (authors' code) | phase: token-mean denominator per phase
     --actor.fused_loss         fused_loss          auto | triton | torch | off (upstream's PolicyLoss)
+    --actor.fused_lm_head      fused_lm_head       the fused loss from the last hidden states: no [N, V] logits
 
 Nothing here imports openrlhf, ray, deepspeed or vLLM: the CLI's ``--help`` and parse-time checks run on a
 CPU-only install.
@@ -33,6 +34,7 @@ class LoptiConfig:
     lopti_quantile: Optional[float] = None
     lopti_denominator: str = "all"
     fused_loss: str = "auto"
+    fused_lm_head: bool = False
 
     @property
     def lopti_enabled(self) -> bool:
@@ -61,6 +63,7 @@ def lopti_config(args: Any) -> LoptiConfig:
         lopti_quantile=_arg(args, "algo.lopti_quantile", default.lopti_quantile),
         lopti_denominator=_arg(args, "algo.lopti_denominator", default.lopti_denominator),
         fused_loss=_arg(args, "actor.fused_loss", default.fused_loss),
+        fused_lm_head=bool(_arg(args, "actor.fused_lm_head", default.fused_lm_head)),
     )
 
 
@@ -138,6 +141,14 @@ def add_lopti_flags(parser: argparse.ArgumentParser) -> None:
         "CPU when built, else torch; upstream's PolicyLoss for settings the fused loss does not cover), triton, torch, or "
         "off (upstream's PolicyLoss, AR applied to the advantages)",
     )
+    group.add_argument(
+        "--actor.fused_lm_head",
+        action="store_true",
+        default=False,
+        help="with the fused loss, compute the output layer (lm_head) and the loss together, chunk by chunk, in "
+        "training and in the old-policy / reference log-prob passes, so the [tokens, vocab] logits never exist "
+        "(models whose logits are lm_head(hidden): no soft-capping or logit scale)",
+    )
 
 
 def fused_loss_blockers(args: Any) -> list[str]:
@@ -183,6 +194,9 @@ def check_config(args: Any) -> None:
         raise ValueError(f"--actor.fused_loss must be one of {FUSED_LOSS_CHOICES}, got {cfg.fused_loss!r}")
 
     blockers = fused_loss_blockers(args)
+    if cfg.fused_lm_head and (cfg.fused_loss == "off" or blockers):
+        reason = "--actor.fused_loss off" if cfg.fused_loss == "off" else "; ".join(blockers)
+        raise ValueError(f"--actor.fused_lm_head needs the fused loss, which does not run with {reason}")
     if cfg.fused_loss not in ("auto", "off") and blockers:
         raise ValueError(
             f"--actor.fused_loss {cfg.fused_loss} does not support {'; '.join(blockers)}: "

@@ -4,16 +4,18 @@ from typing import Any
 
 
 def train(args: Any) -> None:
-    """Upstream's ``openrlhf.cli.train_ppo_ray.train(args)`` with :class:`~.actor.LoptiPolicyModelActor` as the
-    policy actor and :class:`~.evaluation.LoptiPPOTrainer` as the controller (``--train.async_enable`` keeps
-    upstream's async controller). Everything else (placement, models, rollouts, rewards, checkpoints) is
-    upstream's code; ``--cpu`` changes the rest through ``cpu.runtime.launch_on_cpu``."""
+    """Upstream's ``openrlhf.cli.train_ppo_ray.train(args)`` with :class:`~.actor.LoptiPolicyModelActor` and
+    :class:`~.actor.LoptiReferenceModelActor` as the policy and reference actors and
+    :class:`~.evaluation.LoptiPPOTrainer` as the controller (``--train.async_enable`` keeps upstream's async one).
+    Everything else (placement, models, rollouts, rewards, checkpoints) is upstream's code; ``--cpu`` changes the
+    rest through ``cpu.runtime.launch_on_cpu``."""
     import openrlhf.cli.train_ppo_ray as upstream
     import openrlhf.trainer.ppo_trainer as controller
 
-    from .actor import LoptiPolicyModelActor
+    from .actor import LoptiPolicyModelActor, LoptiReferenceModelActor
     from .evaluation import LoptiPPOTrainer
 
-    upstream.PolicyModelActor = LoptiPolicyModelActor  # train() hands this module global to RayActorGroup
+    upstream.PolicyModelActor = LoptiPolicyModelActor  # train() hands these module globals to RayActorGroup
+    upstream.ReferenceModelActor = LoptiReferenceModelActor
     controller.PPOTrainer = LoptiPPOTrainer  # train() imports the name from there when it runs
     upstream.train(args)

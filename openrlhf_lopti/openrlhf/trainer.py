@@ -18,27 +18,30 @@ What each flag changes, and where (the math itself is ``openrlhf_lopti.algo`` / 
   ``fused_policy_loss`` (see its docstring): hooks on the ``Actor`` and on ``actor.model`` hand the kernel the
   model's logits in their own dtype and give upstream's step the kernel's log-probs and entropy, so no fp32
   ``[N, V]`` copy of the logits is made; ``off`` leaves upstream's ``PolicyLoss`` in place.
+- ``--actor.fused_lm_head``: the same step through ``fused_linear_policy_loss`` on the last hidden states and
+  the output layer (``fused.head_to_kernels``), so the logits are never made.
 """
 
 import copy
 import inspect
 from contextlib import contextmanager, nullcontext
-from typing import Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from openrlhf.models import PolicyLoss, aggregate_loss
+from openrlhf.models import aggregate_loss
 from openrlhf.models.utils import masked_mean
 from openrlhf.trainer.ppo_utils.experience import Experience
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 from openrlhf.utils.loss_utils import get_loss_batch_info
 from openrlhf_lopti.algo import PolicyLossOutput, ar_weight, lopti_phases, reweight_advantages
 from openrlhf_lopti.algo.lopti import quantile_threshold
-from openrlhf_lopti.ops import fused_policy_loss
+from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss
 from openrlhf_lopti.ops.fused_policy_loss import resolve_backend
 
 from .flags import check_config, fused_backend, fused_loss_blockers, lopti_config
+from .fused import ActionRows, head_to_kernels, hf_model, lm_head_parts
 
 PHASE_NAMES = {"low_first": ("low", "high"), "high_first": ("high", "low")}
 # Upstream metrics that differ between Lopti phases: logged per phase as lopti/<phase>/<key>.
@@ -112,6 +115,8 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         super().__init__(strategy, actor, *args, **kwargs)
         self.lopti = lopti_config(self.args)
         self.fused_backend: Optional[str] = fused_backend(self.args)
+        if self.lopti.fused_lm_head:
+            lm_head_parts(hf_model(self.actor))  # raises now for an output layer it cannot fuse
         if self.lopti.fused_loss == "auto" and self.fused_backend is None:
             self.strategy.print(
                 "[openrlhf-lopti] --actor.fused_loss auto: using upstream's PolicyLoss because of "
@@ -309,7 +314,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
 
     @contextmanager
     def _fused_policy_loss(self, experience: Experience) -> Iterator[None]:
-        """Run upstream's ``training_step`` with ``fused_policy_loss`` producing the policy loss (and entropy).
+        """Run upstream's ``training_step`` with our kernels producing the policy loss (and entropy).
 
         Upstream's step calls ``self.actor(sequences, action_mask, ..., return_entropy=...)`` for the action
         log-probs (and ``output.entropy``), then ``self.actor_loss_fn(...)`` for the policy loss. For this one
@@ -317,11 +322,10 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
 
         - a forward pre-hook on the ``Actor`` passes ``action_mask=None`` and ``return_entropy=False``, so
           ``Actor.forward`` makes neither its log-prob pass nor its entropy pass and returns the model output;
-        - a forward hook on ``actor.model`` (the HF model, or the DeepSpeed engine around it) runs
-          ``fused_policy_loss`` on the model's logits in their own dtype (the kernel divides by the actor's
-          ``temperature`` itself), then swaps ``output.logits`` for an empty ``[..., 0]`` tensor: the fp32
-          upcast and in-place temperature divide ``Actor.forward`` applies next cost nothing, so no fp32
-          ``[N, V]`` copy of the logits is ever made;
+        - :func:`~.fused.head_to_kernels` runs ``fused_policy_loss`` on the model's logits in their own dtype
+          (the kernel divides by the actor's ``temperature`` itself), or, with ``--actor.fused_lm_head``,
+          ``fused_linear_policy_loss`` on the last hidden states and the output layer, so the logits never
+          exist; ``Actor.forward`` then gets empty logits, so no fp32 ``[N, V]`` copy is ever made;
         - a forward hook on the ``Actor`` returns the fused log-probs as the action log-probs (upstream's KL
           term and metrics then use them, and gradients flow through them) and, when upstream asked for
           entropy, sets ``output.entropy`` to the fused per-token entropy (0 outside the micro-batch's
@@ -332,6 +336,15 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         upstream's code. Hooks rather than a copy of ``training_step`` / ``Actor.forward``: they stay upstream's.
         """
         actor, policy_loss = self.actor, self.actor_loss_fn
+        rows = ActionRows(
+            experience.sequences, experience.attention_mask, experience.action_mask,
+            getattr(actor, "packing_samples", False),
+        )  # fmt: skip
+        old, advantages = rows.rows(experience.action_log_probs.float()), rows.rows(experience.advantages.float())
+        options = dict(
+            alpha=self.lopti.ar_alpha, eps_low=policy_loss.clip_eps_low, eps_high=policy_loss.clip_eps_high,
+            dual_clip=policy_loss.dual_clip, temperature=actor.temperature, backend=self.fused_backend,
+        )  # fmt: skip
         step: Dict[str, object] = {}  # what the hooks of this one forward pass to each other
 
         def logits_only(module, args, kwargs):
@@ -341,25 +354,53 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             bound.arguments["return_entropy"] = False  # the kernel computes it; Actor.forward's logits are empty
             return bound.args, bound.kwargs
 
-        def fused_on_model_logits(module, args, output):
-            logits = output["logits"]
-            error = None
+        def checked(compute: Callable[[], PolicyLossOutput]) -> PolicyLossOutput:
+            error = out = None
             try:
-                step["out"] = self._fused_outputs(
-                    logits, experience, getattr(actor, "packing_samples", False), policy_loss,
-                    temperature=actor.temperature, return_entropy=step["entropy"],
-                )  # fmt: skip
+                out = compute()
             except ValueError as exc:  # bad input or non-finite logits: fail every rank, before any collective
                 error = exc
             self._raise_on_every_rank_if_any_failed(error)
-            output["logits"] = logits.new_empty((*logits.shape[:-1], 0))  # survives .to(float32) and .div_
-            return output
+            return out
+
+        def on_logits(logits: torch.Tensor) -> PolicyLossOutput:
+            flat = logits.reshape(-1, logits.shape[-1])  # a view: no copy of the [N, V] logits
+            return checked(
+                lambda: fused_policy_loss(
+                    flat, rows.labels, old, advantages, rows.mask, return_entropy=step["entropy"], **options
+                )
+            )
+
+        def on_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            out = checked(
+                lambda: fused_linear_policy_loss(
+                    flat, weight, rows.labels, old, advantages, rows.mask, bias=bias,
+                    return_entropy=step["entropy"], **options,
+                )  # fmt: skip
+            )
+            step["detached"] = out.kl, out.clipped
+            entropy = out.entropy if out.entropy is not None else torch.zeros_like(out.loss)
+            return torch.stack([out.loss, out.logp, entropy], -1).reshape(*hidden.shape[:-1], 3)
 
         def fused_action_log_probs(module, args, kwargs, output):
-            out = step["out"]
+            if "columns" in found:  # the fused lm_head's per-position loss, log-prob, entropy
+                columns = found.pop("columns").reshape(-1, 3)
+                kl, clipped = step.pop("detached")
+                entropy = columns[:, 2] if step["entropy"] else None
+                out = PolicyLossOutput(loss=columns[:, 0], logp=columns[:, 1], kl=kl, clipped=clipped, entropy=entropy)
+            else:
+                out = found.pop("result")
+            step["out"] = PolicyLossOutput(
+                loss=rows.to_actions(out.loss),
+                logp=rows.to_actions(out.logp),
+                kl=rows.to_actions(out.kl),
+                clipped=rows.to_actions(out.clipped),
+                entropy=None if out.entropy is None else rows.positions(out.entropy)[:, :-1],
+            )
             if step["entropy"]:
-                output.entropy = out.entropy  # upstream's training_step reads output.entropy[:, -A:]
-            return out.logp, output
+                output.entropy = step["out"].entropy  # upstream's training_step reads output.entropy[:, -A:]
+            return step["out"].logp, output
 
         def aggregated_loss(log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, **info):
             out = step.pop("out")
@@ -368,20 +409,18 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             ppo_kl = masked_mean(-(log_probs - old_log_probs).detach(), action_mask, dim=None)
             return loss, clip_ratio, ppo_kl, None, None
 
-        # actor.model is the DeepSpeed engine in training: hooking it (not the HF model inside) keeps the
-        # gradient hooks the engine puts on its output tensors on the logits the fused loss differentiates.
-        handles = [
-            actor.register_forward_pre_hook(logits_only, with_kwargs=True),
-            actor.model.register_forward_hook(fused_on_model_logits),
-            actor.register_forward_hook(fused_action_log_probs, with_kwargs=True),
-        ]
-        self.actor_loss_fn = aggregated_loss
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            self.actor_loss_fn = policy_loss
+        with head_to_kernels(actor, self.lopti.fused_lm_head, on_logits, on_hidden) as found:
+            handles = [
+                actor.register_forward_pre_hook(logits_only, with_kwargs=True),
+                actor.register_forward_hook(fused_action_log_probs, with_kwargs=True),
+            ]
+            self.actor_loss_fn = aggregated_loss
+            try:
+                yield
+            finally:
+                for handle in handles:
+                    handle.remove()
+                self.actor_loss_fn = policy_loss
 
     def _raise_on_every_rank_if_any_failed(self, error: Optional[BaseException]) -> None:
         """Raise on every data-parallel rank if ``fused_policy_loss`` raised on any, naming the rank and the step.
@@ -401,67 +440,3 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             dist.all_gather_object(messages, message)
         first = next(m for m in messages if m is not None)
         raise ValueError(f"fused_policy_loss failed at {self._micro_batch}, on {first}") from error
-
-    def _fused_outputs(
-        self,
-        logits: torch.Tensor,
-        experience: Experience,
-        packed: bool,
-        policy_loss: PolicyLoss,
-        temperature: float,
-        return_entropy: bool,
-    ) -> PolicyLossOutput:
-        """``fused_policy_loss`` on the model's logits, returned in the shapes upstream's step reads.
-
-        Args:
-            logits: ``[B, S, V]`` (or ``[1, T, V]`` packed: the ``T`` non-padding positions in row-major order)
-                in the model's dtype, not yet divided by the temperature; row ``t`` predicts token ``t + 1``.
-            experience: the micro-batch; ``sequences``/``attention_mask`` ``[B, S]``, the rest ``[B, A]``.
-            packed: whether the actor packs samples (``--ds.packing_samples``).
-            policy_loss: upstream's ``PolicyLoss`` of this trainer, for the clip settings.
-            temperature: the actor's sampling temperature (``Actor.temperature``).
-            return_entropy: also compute the per-token entropy of ``softmax(logits / temperature)``.
-
-        Returns:
-            ``loss``, ``logp``, ``kl``, ``clipped``: ``[B, A]`` per action token; ``entropy`` (or None):
-            ``[B, S - 1]`` like upstream's ``output.entropy``, 0 outside ``experience.action_mask``.
-        """
-        sequences, mask = experience.sequences, experience.action_mask
-        batch, seqlen = sequences.shape
-        num_actions = mask.shape[1]
-        actions = slice(seqlen - num_actions - 1, seqlen - 1)  # logits rows predicting the response tokens
-        # Packed rows are the attention_mask positions in row-major order (flash-attn's unpad_input).
-        indices = torch.nonzero(experience.attention_mask.flatten()).flatten() if packed else None
-
-        def rows(values: torch.Tensor) -> torch.Tensor:  # [B, A] -> one value per logits row, zeros elsewhere
-            full = values.new_zeros(batch, seqlen)
-            full[:, actions] = values
-            return full.flatten() if indices is None else full.flatten()[indices]
-
-        def positions(values: torch.Tensor) -> torch.Tensor:  # one value per logits row -> [B, S]
-            if indices is not None:
-                values = values.new_zeros(batch * seqlen).index_put((indices,), values)
-            return values.reshape(batch, seqlen)
-
-        labels = torch.roll(sequences, shifts=-1, dims=1).flatten()
-        out = fused_policy_loss(
-            logits.reshape(-1, logits.shape[-1]),  # a view: no copy of the [N, V] logits
-            labels if indices is None else labels[indices],
-            rows(experience.action_log_probs.float()),
-            rows(experience.advantages.float()),
-            rows(mask.bool()),
-            alpha=self.lopti.ar_alpha,
-            eps_low=policy_loss.clip_eps_low,
-            eps_high=policy_loss.clip_eps_high,
-            dual_clip=policy_loss.dual_clip,
-            temperature=temperature,
-            return_entropy=return_entropy,
-            backend=self.fused_backend,
-        )
-        return PolicyLossOutput(
-            loss=positions(out.loss)[:, actions],
-            logp=positions(out.logp)[:, actions],
-            kl=positions(out.kl)[:, actions],
-            clipped=positions(out.clipped)[:, actions],
-            entropy=None if out.entropy is None else positions(out.entropy)[:, :-1],
-        )
