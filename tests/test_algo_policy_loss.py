@@ -15,6 +15,7 @@ from openrlhf_lopti.algo import (
     reweight_advantages,
     token_logprobs,
 )
+from openrlhf_lopti.algo.policy_loss import bad_logit_row_error, first_flagged_row
 
 
 @pytest.fixture(scope="module")
@@ -314,3 +315,34 @@ def test_logits_overflowing_at_the_temperature_are_an_error():
     logits[1, 2] = 3e38  # finite, but / 0.5 is +inf in fp32
     with pytest.raises(ValueError, match="logits row 1 .*overflow"):
         policy_loss_from_logits(logits, torch.zeros(3, dtype=torch.long), **_loss_inputs(3), temperature=0.5)
+
+
+def test_bad_row_messages_in_full():
+    """The first bad row is named even when it is row 0 or the only row; the message says what it holds."""
+    tail = ("; logits must be finite or -inf, with a finite value in every unmasked row (NaN / +inf logits usually "
+            "mean the model diverged)")  # fmt: skip
+    one = torch.zeros(1, 4)
+    one[0, 2] = float("nan")
+    with pytest.raises(ValueError) as error:
+        policy_loss_from_logits(one, torch.zeros(1, dtype=torch.long), **_loss_inputs(1))
+    assert str(error.value) == "logits row 0 (unmasked) has NaN at column 2" + tail
+    logits = torch.randn(3, 5)
+    logits[0] = -INF
+    logits[2, 1] = INF
+    with pytest.raises(ValueError) as error:
+        policy_loss_from_logits(logits, torch.zeros(3, dtype=torch.long), **_loss_inputs(3))
+    assert str(error.value) == "logits row 0 (unmasked) has -inf in every column (no token has a nonzero probability)" + tail
+    logits[0] = 0.0
+    with pytest.raises(ValueError, match=r"^logits row 2 \(unmasked\) has \+inf at column 1;"):
+        policy_loss_from_logits(logits, torch.zeros(3, dtype=torch.long), **_loss_inputs(3))
+    logits[2, 1] = 3e38  # finite, but not once divided by 0.5
+    with pytest.raises(ValueError, match=r"^logits row 2 .* overflow float32 when divided by temperature=0\.5;"):
+        policy_loss_from_logits(logits, torch.zeros(3, dtype=torch.long), **_loss_inputs(3), temperature=0.5)
+    assert "temperature=1.0;" in str(bad_logit_row_error(4, torch.tensor([3e38, 0.0])))  # the default
+
+
+def test_first_flagged_row():
+    assert first_flagged_row(torch.zeros(0, dtype=torch.bool)) is None
+    assert first_flagged_row(torch.tensor([True])) == 0
+    assert first_flagged_row(torch.tensor([False])) is None
+    assert first_flagged_row(torch.tensor([False, False, True, True])) == 2
