@@ -105,12 +105,12 @@ def _rank_main(rank: int, world: int, port: int, config: dict, out_dir: str) -> 
         actor.init_model_from_pretrained(strategy, config["model"], config["max_steps"], None)
         engine, trainer = actor.actor.model, actor.trainer
 
-        def param_sum() -> float:  # over the whole model, gathered from the ranks' partitions under ZeRO-3
+        def param_sums() -> list:  # one per parameter, gathered from the ranks' partitions under ZeRO-3
             params = list(engine.module.parameters())
             with deepspeed.zero.GatheredParameters(params, enabled=args.ds.zero_stage == 3):
-                return float(sum(p.detach().double().sum() for p in params))
+                return [float(p.detach().double().sum()) for p in params]
 
-        result["initial_param_sum"] = param_sum()
+        result["initial_params"] = param_sums()
 
         def recorded_step(*a, _step=engine.step, **k):
             result["engine_steps"].append(
@@ -133,7 +133,7 @@ def _rank_main(rank: int, world: int, port: int, config: dict, out_dir: str) -> 
                     "lr": trainer.actor_scheduler.get_last_lr()[0],
                     "threshold": trainer.lopti_threshold,
                     "optimizer_steps": int(engine.global_steps),
-                    "param_sum": param_sum(),
+                    "params": param_sums(),
                 }
             )
     except BaseException as exc:  # noqa: BLE001 - reported to the test
@@ -152,8 +152,8 @@ def run_ranks(tmp_path: Path, world: int, config: dict, timeout: float = 240) ->
     ``kl_in_reward``, optional ``samples_per_rank``, ``low_p_per_rank``, ``poison=[rank, step]``).
 
     Returns:
-        One dict per rank: ``initial_param_sum``, ``steps`` (per ``fit``: numeric status, scheduler lr, Lopti threshold, DeepSpeed's
-        optimizer-step count, the sum of all parameters), ``engine_steps`` (per ``engine.step()`` call: phase, boundary) and ``error``
+        One dict per rank: ``initial_params``, ``steps`` (per ``fit``: numeric status, scheduler lr, Lopti threshold,
+        DeepSpeed's optimizer-step count, ``params``: the sum of each parameter's values), ``engine_steps`` (per ``engine.step()`` call: phase, boundary) and ``error``
         (the exception text) if the rank raised. A rank still running after ``timeout`` seconds is killed and
         reported with ``error = "timeout"``: a hang.
     """

@@ -26,6 +26,19 @@ def model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+def assert_same_update(a: dict, b: dict, initial: list) -> None:
+    """Two runs (their ``steps`` entries) had the same gradients (the global norm DeepSpeed computes before each
+    phase's last optimizer step: Adam's first steps hide gradient magnitudes from the parameters) and moved every
+    parameter (its sum) the same way, to 1e-4 of how far it moved."""
+    for key in ("lopti/low/actor_grad_norm", "lopti/high/actor_grad_norm", "actor_grad_norm"):
+        if key in a["status"]:
+            assert a["status"][key] == pytest.approx(b["status"][key], rel=1e-4), key
+    moved = torch.tensor(a["params"], dtype=torch.float64) - torch.tensor(initial, dtype=torch.float64)
+    assert moved.abs().max() > 1e-6  # it trained
+    diff = torch.tensor(a["params"], dtype=torch.float64) - torch.tensor(b["params"], dtype=torch.float64)
+    assert (diff.abs() <= 1e-4 * moved.abs().max() + 1e-9).all(), diff.abs().max()
+
+
 def ok(results: list) -> list:
     for result in results:
         assert "error" not in result, result.get("traceback", result["error"])
@@ -99,8 +112,7 @@ def test_quantile_threshold_is_one_for_all_data_parallel_ranks_under_zero3(model
     assert thresholds == [pytest.approx(expected, rel=1e-6)] * 2
     # ZeRO-3 (parameters partitioned over the two ranks) trains the same parameters as ZeRO-2
     for a, b in zip(zero2, zero3):
-        assert b["steps"][0]["param_sum"] == pytest.approx(a["steps"][0]["param_sum"], rel=1e-6)
-        assert b["steps"][0]["param_sum"] != pytest.approx(b["initial_param_sum"], rel=1e-6)  # it trained
+        assert_same_update(b["steps"][0], a["steps"][0], b["initial_params"])
 
 
 def test_a_kernel_error_on_one_rank_fails_every_rank_promptly(model, tmp_path):
@@ -113,3 +125,15 @@ def test_a_kernel_error_on_one_rank_fails_every_rank_promptly(model, tmp_path):
         assert "advantages must be finite" in result["error"]
         assert "RL step 2" in result["error"] and "micro-batch" in result["error"] and "rank 1" in result["error"]
         assert len(result["steps"]) == 1  # the first step trained on both ranks
+
+
+def test_fused_lm_head_under_zero3_trains_like_the_logits_kernel(model, tmp_path):
+    """The output layer's weight (tied to the input embedding in this model) is partitioned under ZeRO-3: the
+    fused lm_head must see it gathered in the forward and the backward, and its gradient must reach it."""
+    flags = ("--algo.ar_alpha", "0.3", "--algo.lopti_eta", "0.5", "--ds.zero_stage", "3", "--actor.entropy_coef", "0.1")
+    cfg = config(model, *flags, steps=1, samples=8, kl_in_reward=False)
+    logits = ok(run_ranks(tmp_path, 1, cfg))[0]
+    lm_head = ok(run_ranks(tmp_path, 1, {**cfg, "argv": cfg["argv"] + ["--actor.fused_lm_head"]}))[0]
+    assert_same_update(lm_head["steps"][0], logits["steps"][0], lm_head["initial_params"])
+    for key in ("policy_loss", "entropy_loss", "lopti/high/policy_loss"):
+        assert lm_head["steps"][0]["status"][key] == pytest.approx(logits["steps"][0]["status"][key], rel=1e-4)
