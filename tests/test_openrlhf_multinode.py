@@ -24,8 +24,10 @@ from .scripts import REPO
 
 SCRIPT = REPO / "examples" / "scripts" / "multinode_kk_grpo_ar_lopti.sh"
 # The script's ZeRO-3 and bf16 stay: the weight sync gathers each partitioned parameter before broadcasting it.
+# With the fused lm_head, the policy's and the reference's log-prob passes gather the output layer too.
 SHRINK = [
     "--vllm.num_engines", "2", "--vllm.tensor_parallel_size", "1",  # --train.colocate_all: 1 engine per GPU
+    "--actor.fused_lm_head",
     "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--rollout.micro_batch_size", "4",
     "--rollout.max_new_tokens", "16", "--data.max_len", "400",
     "--train.batch_size", "8", "--train.micro_batch_size", "2", "--train.num_episodes", "1", "--eval.steps", "1",
