@@ -769,3 +769,25 @@ def test_policy_model_actor_builds_our_trainer_and_trains(shipped, env, tmp_path
         assert torch.equal(call["mask"].bool(), low if call["phase"] == "low" else call["response"] & ~low)
     assert [call["phase"] for call in spy_upstream_step] == ["low"] * 4 + ["high"] * 4
     assert not policy.trainer.replay_buffer.items  # fit clears the buffer, as upstream
+
+
+@pytest.mark.parametrize("fused", ["off", "torch"])
+def test_track_direction_counts_what_the_update_did(fused, env):
+    """``direction/*`` against the same counts taken by hand: the round's experience before and after the update,
+    read through upstream's own Actor."""
+    args = make_args("--algo.track_direction", "--algo.lopti_eta", "0.5", "--actor.fused_loss", fused)
+    run = train_round(env, Lopti, args)
+    experience, status = run.experience, run.status
+    with torch.no_grad():
+        new = run.actor(experience.sequences, experience.action_mask, experience.attention_mask)
+    old, mask = experience.action_log_probs, experience.action_mask.bool()
+    p = old.exp()
+    for q, (low, high) in enumerate([(0, 0.25), (0.25, 0.5), (0.5, 0.75), (0.75, 2.0)], start=1):
+        in_bin = mask & (p >= low) & (p < high)
+        assert status[f"direction/tokens_q{q}"] == in_bin.sum().item()
+        pos, neg = in_bin & (experience.advantages > 0), in_bin & (experience.advantages < 0)
+        if pos.any():
+            assert status[f"direction/pos_up_q{q}"] == pytest.approx((new > old)[pos].float().mean().item())
+        if neg.any():
+            assert status[f"direction/neg_down_q{q}"] == pytest.approx((new < old)[neg].float().mean().item())
+    assert sum(status[f"direction/tokens_q{q}"] for q in range(1, 5)) == mask.sum().item()

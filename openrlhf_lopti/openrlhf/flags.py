@@ -9,6 +9,7 @@ Flag -> config field (all dotted like upstream's, so ``hierarchize`` nests them 
     --algo.lopti_denominator   lopti_denominator   all (authors' code) | phase: token-mean denominator per phase
     --actor.fused_loss         fused_loss          auto | triton | torch | off (upstream's PolicyLoss)
     --actor.fused_lm_head      fused_lm_head       the fused loss from the last hidden states: no [N, V] logits
+    --algo.track_direction     track_direction     log direction/* (paper Fig. 3) after each update
 
 Nothing here imports openrlhf, ray, deepspeed or vLLM: the CLI's ``--help`` and parse-time checks run on a
 CPU-only install.
@@ -35,6 +36,7 @@ class LoptiConfig:
     lopti_denominator: str = "all"
     fused_loss: str = "auto"
     fused_lm_head: bool = False
+    track_direction: bool = False
 
     @property
     def lopti_enabled(self) -> bool:
@@ -64,6 +66,7 @@ def lopti_config(args: Any) -> LoptiConfig:
         lopti_denominator=_arg(args, "algo.lopti_denominator", default.lopti_denominator),
         fused_loss=_arg(args, "actor.fused_loss", default.fused_loss),
         fused_lm_head=bool(_arg(args, "actor.fused_lm_head", default.fused_lm_head)),
+        track_direction=bool(_arg(args, "algo.track_direction", default.track_direction)),
     )
 
 
@@ -148,6 +151,15 @@ def add_lopti_flags(parser: argparse.ArgumentParser) -> None:
         help="with the fused loss, compute the output layer (lm_head) and the loss together, chunk by chunk, in "
         "training and in the old-policy / reference log-prob passes, so the [tokens, vocab] logits never exist "
         "(models whose logits are lm_head(hidden): no soft-capping or logit scale)",
+    )
+    group.add_argument(
+        "--algo.track_direction",
+        action="store_true",
+        default=False,
+        help="after each RL step's update, one forward-only pass over its experience logs, per probability "
+        "quartile of the rollout policy, the share of positive-advantage tokens whose log-prob rose and of "
+        "negative-advantage tokens whose log-prob fell (direction/pos_up_q1..q4, direction/neg_down_q1..q4, "
+        "direction/tokens_q1..q4: the paper's Fig. 3 inside training)",
     )
 
 

@@ -20,6 +20,8 @@ What each flag changes, and where (the math itself is ``openrlhf_lopti.algo`` / 
   ``[N, V]`` copy of the logits is made; ``off`` leaves upstream's ``PolicyLoss`` in place.
 - ``--actor.fused_lm_head``: the same step through ``fused_linear_policy_loss`` on the last hidden states and
   the output layer (``fused.head_to_kernels``), so the logits are never made.
+- ``--algo.track_direction``: ``ppo_train`` ends with ``_direction_metrics``: one forward-only pass over the
+  round's experience after the update, logged as ``direction/*`` (``openrlhf_lopti.algo.direction``).
 """
 
 import copy
@@ -32,16 +34,23 @@ import torch.distributed as dist
 
 from openrlhf.models import aggregate_loss
 from openrlhf.models.utils import masked_mean
-from openrlhf.trainer.ppo_utils.experience import Experience
+from openrlhf.trainer.ppo_utils.experience import Experience, make_experience_batch
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 from openrlhf.utils.loss_utils import get_loss_batch_info
-from openrlhf_lopti.algo import PolicyLossOutput, ar_weight, lopti_phases, reweight_advantages
+from openrlhf_lopti.algo import (
+    PolicyLossOutput,
+    ar_weight,
+    direction_metrics,
+    lopti_phases,
+    reweight_advantages,
+    sum_direction_counts,
+)
 from openrlhf_lopti.algo.lopti import quantile_threshold
 from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss
 from openrlhf_lopti.ops.fused_policy_loss import resolve_backend
 
 from .flags import check_config, fused_backend, fused_loss_blockers, lopti_config
-from .fused import ActionRows, head_to_kernels, hf_model, lm_head_parts
+from .fused import ActionRows, fused_log_probs, head_to_kernels, hf_model, lm_head_parts
 
 PHASE_NAMES = {"low_first": ("low", "high"), "high_first": ("high", "low")}
 # Upstream metrics that differ between Lopti phases: logged per phase as lopti/<phase>/<key>.
@@ -142,6 +151,12 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         trains with the learning rates upstream's pass would use, and the step ends where upstream's ends.
         """
         self.rl_step += 1
+        status = self._ppo_train(kl_ctl)
+        if self.lopti.track_direction:
+            status.update(self._direction_metrics())
+        return status
+
+    def _ppo_train(self, kl_ctl: float) -> Dict[str, float]:
         if self.lopti.ar_alpha == 0 and not self.lopti.lopti_enabled:
             return super().ppo_train(kl_ctl)
         items = self.replay_buffer.items
@@ -187,6 +202,31 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         share = {name: counts[name] / tokens for name in counts}
         merged = merge_phase_status(statuses, share, self.lopti.lopti_denominator, self.args.algo.kl.use_loss)
         return {**merged, **metrics}
+
+    @torch.no_grad()
+    def _direction_metrics(self) -> Dict[str, float]:
+        """``direction/*`` of this round's update (``--algo.track_direction``), summed over data-parallel ranks.
+
+        One forward-only pass over the replay buffer with the updated weights, made the way experience making
+        made the rollout log-probs (eval mode; our kernels when the fused loss is on), so that only the update
+        moves a token's log-prob. Costs one forward pass over the step's experience.
+        """
+        device = torch.cuda.current_device()
+        kernels = self.fused_backend is not None
+        items, size, batches = self.replay_buffer.items, self.replay_buffer.sample_batch_size, []
+        self.actor.eval()
+        try:
+            with fused_log_probs(self.actor, self.fused_backend, self.lopti.fused_lm_head) if kernels else nullcontext():
+                for start in range(0, len(items), size):
+                    batch = make_experience_batch(items[start : start + size], self.replay_buffer.packing_samples)
+                    experience = batch.to_device(device)
+                    new = self.actor(experience.sequences, experience.action_mask, experience.attention_mask)
+                    old, mask = experience.action_log_probs, experience.action_mask
+                    batches.append((old, new, experience.advantages, mask))
+        finally:
+            self.actor.train()
+        counts = sum_direction_counts(batches, device=device)
+        return direction_metrics(self.strategy.all_reduce(counts, op="sum"))
 
     def _lr_schedule_state(self) -> dict:
         """The LR scheduler's state and the optimizer's current learning rates (what the next step uses)."""
