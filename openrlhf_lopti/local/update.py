@@ -9,9 +9,15 @@ are :func:`openrlhf_lopti.algo.lopti_phases`: the same code the OpenRLHF actor r
 - the token-mean denominator is every response token of the mini-batch in both phases, not the
   phase's count, so the two phases together weigh tokens as one plain GRPO pass does;
 - ``old_log_probs`` stay the rollout's, while phase 2's forward runs on the weights phase 1 updated.
+
+What cannot change the update is not computed: a micro-batch without a token of the running phase adds exactly
+0 to the loss and to every gradient (its tokens are all masked), so it gets no forward and no backward; a
+mini-batch made only of such micro-batches still takes its optimizer step, on zero gradients, as it would
+unskipped (AdamW's moments and weight decay move the weights even then).
 """
 
 import math
+import time
 from typing import Optional
 
 import torch
@@ -45,7 +51,8 @@ def update_policy(
         ``loss`` (token-mean over the batch's response tokens, summed over phases, averaged over epochs),
         ``clip_ratio`` and ``entropy`` (token means over trained tokens), ``grad_norm`` (mean over
         optimizer steps, before clipping), ``optimizer_steps``; with Lopti also ``phase{k}_loss``,
-        ``phase{k}_tokens``, ``phase{k}_clip_ratio``, ``phase{k}_grad_norm`` for k = 1, 2 in update order.
+        ``phase{k}_tokens``, ``phase{k}_clip_ratio``, ``phase{k}_grad_norm``, ``phase{k}_s`` (wall seconds)
+        for k = 1, 2 in update order.
     """
     rollout = exp.rollout
     batch = len(rollout)
@@ -61,6 +68,7 @@ def update_policy(
     norms_all = []
     policy.train()
     for k, phase in enumerate(phase_masks(exp, cfg), start=1):
+        start = time.perf_counter()
         phase_tokens = int(phase.sum())
         loss_sum = clipped = entropy = 0.0
         norms = []
@@ -72,6 +80,8 @@ def update_policy(
                     optimizer.zero_grad(set_to_none=True)
                     denom = rollout.action_mask[mini].sum().clamp(min=1)
                     for part_rows in mini.split(micro):
+                        if not phase[part_rows].any():  # no token of this phase: loss and gradients are 0
+                            continue
                         part = rollout.select(part_rows)
                         rows = part.action_mask  # [b, T]; only response tokens are computed
                         per_token = (
@@ -102,6 +112,9 @@ def update_policy(
                         loss_sum += float(out.loss.detach().sum())
                         clipped += float(out.clipped.sum())
                         entropy += float(out.entropy.detach().sum())
+                    if all(p.grad is None for p in params):  # every micro-batch skipped: the step is on zeros
+                        for p in params:
+                            p.grad = torch.zeros_like(p)
                     norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
                     optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -115,6 +128,7 @@ def update_policy(
             metrics[f"phase{k}_loss"] = loss_sum / max(total_tokens * cfg.epochs, 1)
             metrics[f"phase{k}_clip_ratio"] = clipped / max(trained, 1)
             metrics[f"phase{k}_grad_norm"] = sum(norms) / len(norms) if norms else 0.0
+            metrics[f"phase{k}_s"] = time.perf_counter() - start
     metrics["clip_ratio"] = clipped_all / max(trained_all, 1)
     metrics["entropy"] = entropy_all / max(trained_all, 1)
     metrics["grad_norm"] = sum(norms_all) / len(norms_all) if norms_all else 0.0
