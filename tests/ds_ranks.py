@@ -123,8 +123,12 @@ def _rank_main(rank: int, world: int, port: int, config: dict, out_dir: str) -> 
             samples = config["samples_per_rank"][rank] if "samples_per_rank" in config else config["samples"]
             low_p = config.get("low_p_per_rank", [0.5] * world)[rank]
             experience = synthetic_experience(rank, step, samples, config["vocab"], config["kl_in_reward"], low_p)
-            if config.get("poison") == [rank, step]:
-                experience.advantages[0, 0] = float("nan")  # fused_policy_loss rejects it on this rank only
+            if config.get("poison") == [rank, step]:  # fused_policy_loss rejects it on this rank only
+                if config.get("poison_logits"):  # a NaN logit column: the kernel's per-row flag catches it
+                    with torch.no_grad():
+                        engine.module.get_output_embeddings().weight[5].fill_(float("nan"))
+                else:
+                    experience.advantages[0, 0] = float("nan")
             actor.append(experience)
             status = actor.fit(config.get("kl_ctl", 0.01))
             result["steps"].append(
@@ -149,7 +153,8 @@ def _rank_main(rank: int, world: int, port: int, config: dict, out_dir: str) -> 
 
 def run_ranks(tmp_path: Path, world: int, config: dict, timeout: float = 240) -> list:
     """Run ``world`` ranks of ``config`` (``argv``, ``model``, ``max_steps``, ``steps``, ``samples``, ``vocab``,
-    ``kl_in_reward``, optional ``samples_per_rank``, ``low_p_per_rank``, ``poison=[rank, step]``).
+    ``kl_in_reward``, optional ``samples_per_rank``, ``low_p_per_rank``, ``poison=[rank, step]``: a NaN advantage,
+    or with ``poison_logits`` a NaN row of the output layer, on that rank before that step).
 
     Returns:
         One dict per rank: ``initial_params``, ``steps`` (per ``fit``: numeric status, scheduler lr, Lopti threshold,

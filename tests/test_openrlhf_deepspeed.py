@@ -115,14 +115,16 @@ def test_quantile_threshold_is_one_for_all_data_parallel_ranks_under_zero3(model
         assert_same_update(b["steps"][0], a["steps"][0], b["initial_params"])
 
 
-def test_a_kernel_error_on_one_rank_fails_every_rank_promptly(model, tmp_path):
+@pytest.mark.parametrize("poison", ["advantage", "logits"])
+def test_a_kernel_error_on_one_rank_fails_every_rank_promptly(poison, model, tmp_path):
     cfg = config(model, "--algo.ar_alpha", "0.3", "--algo.lopti_eta", "0.5", "--train.batch_size", "8",
                  samples=8, kl_in_reward=False)  # fmt: skip
-    cfg.update(poison=[1, 1], linger_s=120)
+    cfg.update(poison=[1, 1], poison_logits=poison == "logits", linger_s=120)
     results = run_ranks(tmp_path, 2, cfg, timeout=100)
+    expected = "advantages must be finite" if poison == "advantage" else "has NaN at column 5"
     for result in results:
         assert result["error"] != "timeout", "a rank hung in a collective"
-        assert "advantages must be finite" in result["error"]
+        assert expected in result["error"], result["error"]
         assert "RL step 2" in result["error"] and "micro-batch" in result["error"] and "rank 1" in result["error"]
         assert len(result["steps"]) == 1  # the first step trained on both ranks
 
