@@ -174,3 +174,13 @@ def test_error_messages_start_with_the_argument():
         with pytest.raises(ValueError, match=f"^{message}"):
             direction_counts(*args)
     assert sum_direction_counts([]).dtype == torch.float64
+
+
+def test_summed_counts_go_to_the_requested_device():
+    # "meta" is a second device on every machine: the counts are moved there, empty or not
+    empty = sum_direction_counts([], device="meta")
+    assert empty.device.type == "meta" and empty.dtype == torch.float64 and empty.shape == (5, 4)
+    old = torch.tensor([0.1, 0.6]).log()
+    summed = sum_direction_counts([(old, old + 0.1, torch.ones(2))], device="meta")
+    assert summed.device.type == "meta" and summed.shape == (5, 4)
+    assert sum_direction_counts([(old, old + 0.1, torch.ones(2))]).device.type == "cpu"
