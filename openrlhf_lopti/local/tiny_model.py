@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
 from openrlhf_lopti.tasks import kk
+
+from .model import build_tiny_llama
 
 SPECIALS = {"pad": "<|endoftext|>", "bos": "<|im_start|>", "eos": "<|im_end|>"}
 CHAT_TEMPLATE = (
@@ -69,31 +69,10 @@ def build_kk_tokenizer(vocab_size: int = 1024, seed: int = 0):
 
 def build_tiny_model(hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, max_positions: int = 1024,
                      vocab_size: int = 1024, seed: int = 0):  # fmt: skip
-    """``(model, tokenizer)``: a random ``LlamaForCausalLM`` (tied embeddings) sized for :func:`build_kk_tokenizer`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if hidden_size % num_heads:
-        raise UserError(f"--hidden-size ({hidden_size}) must be divisible by --heads ({num_heads})")
+    """``(model, tokenizer)``: the demo's random ``LlamaForCausalLM`` (tied embeddings) sized for
+    :func:`build_kk_tokenizer`."""
     tokenizer = build_kk_tokenizer(vocab_size, seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_positions,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model, tokenizer
+    return build_tiny_llama(tokenizer, hidden_size, num_layers, num_heads, max_positions, seed), tokenizer
 
 
 def build_parser() -> ArgumentParser:
@@ -117,6 +96,8 @@ def main(argv: Optional[list] = None) -> int:
                         ("--vocab-size", args.vocab_size), ("--max-positions", args.max_positions)):  # fmt: skip
         if value < 1:
             raise UserError(f"{flag} must be an integer >= 1, got {value}")
+    if args.hidden_size % args.heads:
+        raise UserError(f"--hidden-size ({args.hidden_size}) must be divisible by --heads ({args.heads})")
     model, tokenizer = build_tiny_model(
         args.hidden_size, args.layers, args.heads, args.max_positions, args.vocab_size, args.seed
     )
