@@ -62,11 +62,11 @@ def config(**kw) -> TrainConfig:
 
 
 def reference_round(policy, optimizer, exp: Experience, cfg: TrainConfig, generator: torch.Generator) -> list:
-    """The update written out without any skipping; returns, per micro-batch run, its count of phase tokens."""
+    """The update written out without any skipping; returns the phase's ``[b, T]`` tokens of each micro-batch."""
     rollout = exp.rollout
     params = [p for p in policy.parameters() if p.requires_grad]
     phases = lopti_phases(exp.old_log_probs, rollout.action_mask, cfg.eta, cfg.lopti_order, None)
-    phase_tokens = []
+    micro_batches = []
     policy.train()
     for phase in phases:
         if not phase.any():
@@ -89,21 +89,21 @@ def reference_round(policy, optimizer, exp: Experience, cfg: TrainConfig, genera
                         temperature=cfg.temperature,
                     )  # fmt: skip
                     (out.loss.sum() / denom).backward()
-                    phase_tokens.append(int(phase[rows].sum()))
+                    micro_batches.append(phase[rows])
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 optimizer.step()
-    return phase_tokens
+    return micro_batches
 
 
 class DecoderCalls:
-    """Counts forward calls of the model's decoder (one per micro-batch the update computes)."""
+    """The ``[b, L]`` shapes of the token ids the model's decoder ran on, one per micro-batch the update computes."""
 
     def __init__(self, model):
-        self.count = 0
-        model.get_decoder().register_forward_hook(self.hook)
+        self.shapes = []
+        model.get_decoder().register_forward_pre_hook(self.hook, with_kwargs=True)
 
-    def hook(self, *_):
-        self.count += 1
+    def hook(self, module, args, kwargs):
+        self.shapes.append(tuple(kwargs["input_ids"].shape))
 
 
 def run_both(model, exp: Experience, cfg: TrainConfig) -> tuple:
@@ -114,7 +114,7 @@ def run_both(model, exp: Experience, cfg: TrainConfig) -> tuple:
         calls = DecoderCalls(policy)
         optimizer = torch.optim.SGD(policy.parameters(), lr=cfg.lr, momentum=0.9)
         extra = update(policy, optimizer, exp, cfg, torch.Generator().manual_seed(0))
-        runs.append((policy, calls.count, extra))
+        runs.append((policy, calls.shapes, extra))
     return tuple(runs)
 
 
@@ -130,12 +130,52 @@ def assert_same_parameters(model, ours, reference) -> None:
 def test_micro_batches_without_a_phase_token_are_skipped_and_the_update_is_unchanged(tiny, experience, fused_lm_head):
     model, _ = tiny
     cfg = config(eta=eta_with_low_tokens(experience, N_LOW), fused_lm_head=fused_lm_head)
-    (ours, our_forwards, metrics), (reference, ref_forwards, phase_tokens) = run_both(model, experience, cfg)
+    (ours, our_forwards, metrics), (reference, _, micro_batches) = run_both(model, experience, cfg)
+    phase_tokens = [int(tokens.sum()) for tokens in micro_batches]
     assert metrics["phase1_tokens"] == N_LOW
     assert phase_tokens.count(0) >= 8  # micro-batches of one response, 3 low tokens: most hold none
     # whole mini-batches of the low phase without a low token: their optimizer step must still happen
     pairs = [phase_tokens[i : i + 2] for i in range(0, 16, 2)]  # the low phase: 2 epochs x 4 mini-batches of 2
     assert [0, 0] in pairs
-    assert our_forwards == sum(1 for n in phase_tokens if n > 0)  # no forward (nor backward) for the others
+    assert len(our_forwards) == sum(1 for n in phase_tokens if n > 0)  # no forward (nor backward) for the others
     assert metrics["optimizer_steps"] == 2 * 2 * 4  # 2 phases x 2 epochs x 4 mini-batches: none dropped
+    assert_same_parameters(model, ours, reference)
+
+
+class LossHeadRows:
+    """Records the rows each call of the update's loss head gets, then runs the real function."""
+
+    def __init__(self, real):
+        self.real, self.rows = real, []
+
+    def __call__(self, rows, *args, **kwargs):
+        self.rows.append(rows.shape[0])
+        return self.real(rows, *args, **kwargs)
+
+
+@pytest.mark.parametrize("fused_lm_head", [False, True])
+def test_each_forward_runs_on_the_phases_responses_up_to_its_last_token(tiny, experience, fused_lm_head, monkeypatch):
+    """Micro-batches of 4: the decoder runs only on the responses holding a token of the phase, cut after the
+    micro-batch's last such token (later positions cannot change earlier outputs of a causal LM), and the lm_head
+    and loss only on the phase's tokens; the update is the one written out."""
+    model, _ = tiny
+    cfg = config(eta=eta_with_low_tokens(experience, N_LOW), fused_lm_head=fused_lm_head, micro_batch_size=4,
+                 mini_batch_size=8, epochs=1)  # fmt: skip
+    name = "fused_linear_policy_loss" if fused_lm_head else "fused_policy_loss"
+    head = LossHeadRows(getattr(update_module, name))
+    monkeypatch.setattr(update_module, name, head)
+    (ours, our_forwards, metrics), (reference, _, micro_batches) = run_both(model, experience, cfg)
+    prompt_len = experience.rollout.prompt_len
+    expected = []
+    for tokens in micro_batches:
+        responses = tokens.any(-1)
+        if responses.any():
+            last = int(tokens.any(0).nonzero().max())
+            expected.append((int(responses.sum()), prompt_len + last + 1))
+    assert our_forwards == expected
+    # the low phase (its 2 micro-batches come first): 3 tokens, so at most 3 responses, cut before the end
+    low = [(int(t.any(-1).sum()), int(t.any(0).nonzero().max()) + 1) for t in micro_batches[:2] if t.any()]
+    assert sum(n for n, _ in low) <= N_LOW and min(last for _, last in low) < micro_batches[0].shape[1]
+    assert head.rows == [int(tokens.sum()) for tokens in micro_batches if tokens.any()]
+    assert metrics["phase1_tokens"] == N_LOW and metrics["optimizer_steps"] == 2
     assert_same_parameters(model, ours, reference)

@@ -48,6 +48,13 @@ class Rollout:
             [self.responses[i] for i in rows],
         )
 
+    def first_tokens(self, n: int) -> "Rollout":
+        """Every row cut after its first ``n`` response tokens (``sequences [B, P + n]``); a causal LM's outputs
+        at those positions do not depend on the tokens cut. ``responses`` stay the whole decoded texts."""
+        end = self.prompt_len + n
+        return Rollout(self.sequences[:, :end], self.attention_mask[:, :end], self.action_mask[:, :n],
+                       self.prompt_len, self.responses)  # fmt: skip
+
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B, L]`` positions counted from each row's first real token (left padding gets 0)."""

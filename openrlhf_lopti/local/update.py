@@ -10,10 +10,13 @@ are :func:`openrlhf_lopti.algo.lopti_phases`: the same code the OpenRLHF actor r
   phase's count, so the two phases together weigh tokens as one plain GRPO pass does;
 - ``old_log_probs`` stay the rollout's, while phase 2's forward runs on the weights phase 1 updated.
 
-What cannot change the update is not computed: a micro-batch without a token of the running phase adds exactly
-0 to the loss and to every gradient (its tokens are all masked), so it gets no forward and no backward; a
-mini-batch made only of such micro-batches still takes its optimizer step, on zero gradients, as it would
-unskipped (AdamW's moments and weight decay move the weights even then).
+What cannot change the update is not computed (:func:`phase_part`): a response without a token of the running
+phase adds exactly 0 to the loss and to every gradient (its tokens are all masked), so it gets no forward and
+no backward, nor does a micro-batch made only of such responses; the rest runs up to the micro-batch's last
+token of the phase only (a causal LM's earlier outputs do not depend on later tokens), and the lm_head (with
+``fused_lm_head``) and the loss only on the phase's tokens. A mini-batch made only of skipped micro-batches
+still takes its optimizer step, on zero gradients, as it would unskipped (AdamW's moments and weight decay
+move the weights even then).
 """
 
 import math
@@ -28,7 +31,7 @@ from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss
 from .config import TrainConfig
 from .experience import Experience
 from .model import lm_head_parts
-from .rollout import response_hidden, response_logits
+from .rollout import Rollout, response_hidden, response_logits
 
 
 def phase_masks(exp: Experience, cfg: TrainConfig) -> list:
@@ -36,6 +39,23 @@ def phase_masks(exp: Experience, cfg: TrainConfig) -> list:
     if cfg.lopti:
         return lopti_phases(exp.old_log_probs, exp.rollout.action_mask, cfg.eta, cfg.lopti_order, cfg.lopti_quantile)
     return [exp.rollout.action_mask]
+
+
+def phase_part(rollout: Rollout, rows: torch.Tensor, phase: torch.Tensor) -> Optional[tuple]:
+    """What of micro-batch ``rows`` (``[b]`` indices) the loss of a phase (``phase [B, T]`` bool) depends on.
+
+    Returns:
+        None when the micro-batch holds no token of the phase; else ``(part, rows, tokens)``: the sub-rollout of
+        the responses holding one, each cut after the micro-batch's last such token (``t`` response tokens),
+        their indices ``[b']``, and ``tokens [b', t]``, the phase's tokens among them.
+    """
+    tokens = phase[rows]
+    holding = tokens.any(-1)
+    if not bool(holding.any()):
+        return None
+    rows, tokens = rows[holding], tokens[holding]
+    columns = int(tokens.any(0).nonzero().max()) + 1
+    return rollout.select(rows).first_tokens(columns), rows, tokens[:, :columns]
 
 
 def update_policy(
@@ -79,19 +99,20 @@ def update_policy(
                 for mini in order.split(cfg.mini_batch_size):
                     optimizer.zero_grad(set_to_none=True)
                     denom = rollout.action_mask[mini].sum().clamp(min=1)
-                    for part_rows in mini.split(micro):
-                        if not phase[part_rows].any():  # no token of this phase: loss and gradients are 0
+                    for micro_rows in mini.split(micro):
+                        trimmed = phase_part(rollout, micro_rows, phase)
+                        if trimmed is None:  # no token of this phase: loss and gradients are 0
                             continue
-                        part = rollout.select(part_rows)
-                        rows = part.action_mask  # [b, T]; only response tokens are computed
+                        part, part_rows, rows = trimmed  # rows [b, t]: the phase's tokens, the loss head's rows
+                        columns = rows.shape[1]
                         per_token = (
                             part.sequences[:, part.prompt_len :][rows],
-                            exp.old_log_probs[part_rows][rows],
-                            advantages[part_rows][rows],
-                            phase[part_rows][rows],
+                            exp.old_log_probs[part_rows, :columns][rows],
+                            advantages[part_rows, :columns][rows],
+                            rows[rows],  # all True
                         )
                         options = dict(
-                            ref_log_probs=None if ref is None else ref[part_rows][rows],
+                            ref_log_probs=None if ref is None else ref[part_rows, :columns][rows],
                             alpha=cfg.alpha,
                             eps_low=cfg.eps_low,
                             eps_high=cfg.eps_high,
