@@ -17,6 +17,8 @@ from openrlhf_lopti.algo import (
 )
 from openrlhf_lopti.algo.policy_loss import bad_logit_row_error, first_flagged_row
 
+from .kernel_cases import Case, make_inputs, options, textbook_policy_loss
+
 
 @pytest.fixture(scope="module")
 def upstream():
@@ -346,3 +348,50 @@ def test_first_flagged_row():
     assert first_flagged_row(torch.tensor([True])) == 0
     assert first_flagged_row(torch.tensor([False])) is None
     assert first_flagged_row(torch.tensor([False, False, True, True])) == 2
+
+
+@pytest.mark.parametrize(
+    "case, kl_coef",
+    [
+        (Case(alpha=0.3, kl="k3", entropy=True, dual_clip=3.0, temperature=0.7, old_spread=1.0, seed=31), 0.05),
+        (Case(alpha=1.0, kl="k1", masked_fraction=0.0, seed=32), 1.0),  # kl_coef 1: the KL term counts once
+        (Case(kl="k2", entropy=True, eps_high=0.5, ref_spread=8.0, seed=33), 0.3),
+        (Case(alpha=0.5, old_spread=25.0, dual_clip=2.0, seed=34), 0.0),  # the +-20 log-ratio clamp binds
+    ],
+    ids=str,
+)
+def test_loss_from_logits_with_every_option_equals_the_textbook_loss(case, kl_coef):
+    """policy_loss_from_logits against the loss written out in the test (float64, literal clamp bounds), values and
+    gradients, with AR, clip range, dual clip, KL, temperature and entropy; row 0's label is token 0."""
+    inputs, opts = make_inputs(case), options(case)
+    opts.update(kl_coef=kl_coef, return_entropy=True)
+    inputs["labels"][0], inputs["mask"][0] = 0, True
+    leaf = inputs["logits"].clone().requires_grad_(True)
+    args = [inputs[k] for k in ("labels", "old_log_probs", "advantages", "mask")]
+    out = policy_loss_from_logits(leaf, *args, ref_log_probs=inputs["ref_log_probs"], **opts)
+    (out.loss.sum() + 0.5 * out.entropy.sum() - out.logp.sum()).backward()
+    ref_leaf = inputs["logits"].clone().requires_grad_(True)
+    want = textbook_policy_loss(inputs, opts, ref_leaf)
+    (want["loss"].sum() + 0.5 * want["entropy"].sum() - want["logp"].sum()).backward()
+    for name in ("loss", "logp", "kl", "entropy"):
+        # relative to each value: a clamp at exp(-20) instead of none is a 1e-9 change, visible only this way
+        torch.testing.assert_close(getattr(out, name).double(), want[name].detach(), rtol=1e-5, atol=1e-12, msg=name)
+    assert torch.equal(out.clipped, want["clipped"])
+    torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad.double(), rtol=1e-4, atol=1e-6)
+
+
+def test_defaults():
+    """Defaults: no AR, clip range [0.8, 1.2], no dual clip, no KL, temperature 1, k3, no entropy."""
+    case = Case(old_spread=1.0, seed=35)
+    inputs = make_inputs(case)
+    args = [inputs[k] for k in ("logits", "labels", "old_log_probs", "advantages", "mask")]
+    out = policy_loss_from_logits(*args)
+    assert out.entropy is None
+    opts = dict(alpha=0.0, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", temperature=1.0)
+    want = textbook_policy_loss(dict(inputs, ref_log_probs=None), opts, inputs["logits"])
+    torch.testing.assert_close(out.loss.double(), want["loss"], rtol=1e-5, atol=1e-7)
+    assert out.clipped.any()
+    x = torch.tensor([-0.5, 0.3, 12.0])
+    torch.testing.assert_close(approx_kl(x, torch.zeros(3)), ((-x).exp() - 1 + x).clamp(max=10.0))  # k3 by default
+    with pytest.raises(ValueError, match=r"^ref_log_probs is required when kl_coef != 0$"):
+        policy_loss_from_logp(torch.zeros(2), torch.zeros(2), torch.ones(2), kl_coef=0.1)

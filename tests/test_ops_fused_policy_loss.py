@@ -148,6 +148,21 @@ def test_every_argument_has_a_bad_input_case():
     assert parameters == set(BAD_INPUTS)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(eps_low=0.0), dict(eps_high=0.0), dict(alpha=0), dict(alpha=1), dict(dual_clip=1.01),
+     dict(ref_log_probs=None, kl_coef=0.0), dict(kl_coef=-0.5), dict(temperature=1e-3),
+     dict(labels=torch.zeros(N, dtype=torch.long)), dict(labels=torch.full((N,), V - 1)),
+     dict(labels=torch.zeros(N, dtype=torch.int32)), dict(mask=torch.ones(N, dtype=torch.uint8)),
+     dict(old_log_probs=torch.zeros(N, dtype=torch.float64))],
+    ids=lambda o: ",".join(o),
+)
+def test_boundary_values_are_accepted(overrides):
+    """The edges of every accepted range run and give finite outputs (the checks reject only what is outside)."""
+    out = _call(_good(**overrides))
+    assert torch.isfinite(out.loss).all() and torch.isfinite(out.logp).all()
+
+
 def test_garbage_on_masked_rows_is_accepted():
     """Ids and values on rows with mask 0 are never used, so they are not validated (padding is -100)."""
     keep = torch.tensor([True, False, True, False, True, True])
