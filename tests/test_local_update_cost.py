@@ -17,7 +17,7 @@ from openrlhf_lopti.algo import lopti_phases, policy_loss_from_logits
 from openrlhf_lopti.local.config import TrainConfig
 from openrlhf_lopti.local.experience import Experience
 from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer
-from openrlhf_lopti.local.rollout import generate_rollouts, response_logprobs
+from openrlhf_lopti.local.rollout import generate_rollouts, response_logits, response_logprobs
 from openrlhf_lopti.local.task import compact_prompt, puzzles
 from openrlhf_lopti.local.update import update_policy
 
@@ -179,3 +179,21 @@ def test_each_forward_runs_on_the_phases_responses_up_to_its_last_token(tiny, ex
     assert head.rows == [int(tokens.sum()) for tokens in micro_batches if tokens.any()]
     assert metrics["phase1_tokens"] == N_LOW and metrics["optimizer_steps"] == 2
     assert_same_parameters(model, ours, reference)
+
+
+def test_response_logits_run_the_lm_head_on_the_response_positions_only(tiny, experience):
+    """The prompt's logits are never used: the lm_head runs on the T positions predicting response tokens, and
+    their logits equal the full forward's."""
+    model, _ = tiny
+    rollout = experience.rollout
+    inputs = []
+    handle = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: inputs.append(args[0].shape))
+    try:
+        logits = response_logits(model, rollout)
+    finally:
+        handle.remove()
+    batch, width = rollout.action_mask.shape
+    assert inputs == [(batch, width, model.config.hidden_size)]
+    mask = rollout.attention_mask
+    full = model(input_ids=rollout.sequences, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    torch.testing.assert_close(logits, full[:, rollout.prompt_len - 1 : -1], atol=1e-6, rtol=1e-5)

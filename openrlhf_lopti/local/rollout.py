@@ -6,6 +6,7 @@ to and including the eos. Position ids skip the left padding, as ``generate`` do
 forward sees exactly the positions sampling saw.
 """
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -117,14 +118,23 @@ def generate_rollouts(
 
 
 def response_logits(model, rollout: Rollout) -> torch.Tensor:
-    """``[B, T, V]`` logits predicting each response token (the forward's outputs shifted by one)."""
+    """``[B, T, V]`` logits predicting each response token (the forward's outputs shifted by one).
+
+    The lm_head runs on those T positions only, not on the prompt's, when the model takes transformers'
+    ``logits_to_keep`` (its causal LMs do; the model still applies its own logit transforms, e.g. soft caps).
+    """
+    first, width = rollout.prompt_len - 1, rollout.sequences.shape[1] - rollout.prompt_len
+    keep = {}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        keep["logits_to_keep"] = torch.arange(first, first + width, device=rollout.sequences.device)
     out = model(
         input_ids=rollout.sequences,
         attention_mask=rollout.attention_mask,
         position_ids=position_ids(rollout.attention_mask),
         use_cache=False,
+        **keep,
     )
-    return out.logits[:, rollout.prompt_len - 1 : -1, :]
+    return out.logits if keep else out.logits[:, first:-1, :]
 
 
 def response_hidden(model, rollout: Rollout) -> torch.Tensor:
