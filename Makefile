@@ -19,8 +19,8 @@ $(VENV)/.installed: setup.py requirements/cpu.txt requirements/constraints.txt $
 	$(PIP) install $(CONSTRAINTS) -r requirements/cpu.txt
 	# deepspeed builds against the installed torch; with build isolation it records torch 0.0. Its CPU
 	# all-reduce op is compiled here: built on first use instead, a process killed mid-build leaves a lock
-	# that makes every later DeepSpeed process on the machine wait forever.
-	DS_ACCELERATOR=cpu DS_BUILD_SHM_COMM=1 $(PIP) install $(CONSTRAINTS) --no-build-isolation deepspeed==0.19.6
+	# that makes every later DeepSpeed process on the machine wait forever. No cached wheel: one built without it.
+	DS_ACCELERATOR=cpu DS_BUILD_SHM_COMM=1 $(PIP) install $(CONSTRAINTS) --no-build-isolation --no-cache-dir deepspeed==0.19.6
 	# openrlhf pins flash-attn, which cannot build on CPU: install it without its deps (they are above)
 	$(PIP) install --no-deps openrlhf==0.11.2
 	$(PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .
