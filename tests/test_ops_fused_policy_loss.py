@@ -141,6 +141,34 @@ def test_bad_input_is_a_value_error_naming_the_argument(backends_must_not_run, n
         _call(args, backend=backend)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(logits=[[0.0] * V] * N), "logits must be a [N, V] tensor, got shape <class 'list'>"),
+        (dict(logits=torch.randn(N)), f"logits must be a [N, V] tensor, got shape torch.Size([{N}])"),
+        (dict(labels=list(range(N))), f"labels must be a torch.Tensor of shape [{N}], got list"),
+        (dict(labels=torch.zeros(N + 1, dtype=torch.long)), f"labels must have shape [N]=[{N}] to match logits [N, V], got ({N + 1},)"),
+        (dict(mask=torch.ones(N, dtype=torch.bool, device=meta)), "mask is on meta but logits is on cpu"),
+        (dict(old_log_probs=_with("old_log_probs", 0, float("nan"))),
+         "old_log_probs must be finite on unmasked rows (as float32, the precision of the loss)"),
+        (dict(ref_log_probs=None, kl_coef=0.1), "ref_log_probs is required when kl_coef != 0"),
+    ],
+    ids=["logits-list", "logits-1d", "labels-list", "labels-shape", "mask-device", "old-nan", "ref-missing"],
+)  # fmt: skip
+def test_bad_input_messages_in_full(overrides, message):
+    with pytest.raises(ValueError) as error:
+        _call(_good(**overrides))
+    assert str(error.value) == message
+
+
+def test_resolve_backend_names_the_backend_that_runs(monkeypatch):
+    cpu = torch.zeros(1, 1)
+    assert fused_module.resolve_backend("auto", cpu) == "cpp"  # the extension is built here (test_ops_cpp.py)
+    monkeypatch.setattr(cpp_module, "cpp_available", lambda: False)
+    assert fused_module.resolve_backend("auto", cpu) == "torch"
+    assert [fused_module.resolve_backend(b, cpu) for b in ("triton", "cpp", "torch")] == ["triton", "cpp", "torch"]
+
+
 def test_every_argument_has_a_bad_input_case():
     import inspect
 
