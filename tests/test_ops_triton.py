@@ -281,6 +281,26 @@ def test_bad_launch_overrides_are_rejected(name, value):
         _call(inputs, backend="triton")
 
 
+def test_launch_config_by_hand(monkeypatch):
+    """Block size: V rounded up to a power of 2, within [16, 4096]; 8 warps for 4096-wide blocks, else 4; at most
+    65535 programs. The environment overrides each (tests and tuning)."""
+    for name in (kernels.ENV_BLOCK_V, kernels.ENV_GRID_CAP, kernels.ENV_NUM_WARPS):
+        monkeypatch.delenv(name, raising=False)
+    assert kernels._launch_config(10, 5) == {"grid": (10,), "BLOCK_V": 16, "num_warps": 4}
+    assert kernels._launch_config(3, 300) == {"grid": (3,), "BLOCK_V": 512, "num_warps": 4}
+    assert kernels._launch_config(3, 2049) == {"grid": (3,), "BLOCK_V": 4096, "num_warps": 8}
+    assert kernels._launch_config(70000, 151936) == {"grid": (65535,), "BLOCK_V": 4096, "num_warps": 8}
+    monkeypatch.setenv(kernels.ENV_BLOCK_V, "64")
+    monkeypatch.setenv(kernels.ENV_GRID_CAP, "7")
+    assert kernels._launch_config(10, 5000) == {"grid": (7,), "BLOCK_V": 64, "num_warps": 4}
+    monkeypatch.setenv(kernels.ENV_NUM_WARPS, "2")
+    monkeypatch.setenv(kernels.ENV_BLOCK_V, "")  # empty: the default
+    assert kernels._launch_config(5, 5000) == {"grid": (5,), "BLOCK_V": 4096, "num_warps": 2}
+    monkeypatch.setenv(kernels.ENV_NUM_WARPS, "-1")
+    with pytest.raises(ValueError, match=rf"^{kernels.ENV_NUM_WARPS} must be a positive integer, got '-1'$"):
+        kernels._launch_config(5, 5)
+
+
 def test_triton_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
