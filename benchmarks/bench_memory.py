@@ -1,0 +1,423 @@
+"""Peak memory and time of one step's loss head at a big vocabulary, three paths side by side in one run:
+
+- ``openrlhf``: OpenRLHF 0.11.2's actor path, with its own functions: ``lm_head`` in the model dtype, then
+  ``logits.to(float32)`` and ``div_(T)`` (``models/actor.py``), ``compute_entropy`` (``torch.compile``d as
+  upstream ships it), ``log_probs_from_logits``, ``PolicyLoss`` + ``kl_coef * masked_mean(compute_approx_kl)``
+  ``- entropy_coef * masked_mean(entropy)`` (``trainer/ray/ppo_actor.py``);
+- ``logits_kernel``: ``lm_head`` in the model dtype, then our ``fused_policy_loss`` on those logits;
+- ``fused_linear``: our ``fused_linear_policy_loss`` (lm_head + loss chunk by chunk; no ``[N, V]`` logits).
+
+One step's loss head = the forward-only passes (old-policy and reference log-probs from the hidden states,
+as experience making does; no entropy there, as upstream) + the training step's forward and backward,
+with gradients to the hidden states and the lm_head weight, through loss, KL (via logp) and an entropy bonus.
+All three compute the same math (alpha = 0, k3 KL, clip-higher, temperature, all N tokens unmasked); the
+table prints each path's loss so that can be seen.
+
+Peak memory: each path in its own fresh process, one step after a warm-up step; the growth over what the
+inputs (hidden states, lm_head weight, per-token vectors) take, the returned gradients included (also shown
+without them): on CPU the process's peak RSS (Linux: reset through /proc/self/clear_refs, read as VmHWM), on
+GPU ``torch.cuda.max_memory_allocated``. Time: all paths in one process on the same inputs, a warm-up step
+each (which also compiles upstream's entropy), then ``--repeats`` rounds running every path once in a rotated
+order; the medians, and the time goal as the median of the per-round ratios (robust to a shared machine).
+
+    python benchmarks/bench_memory.py                  # CPU: N=2048, H=896, V=151936, fp32 (heavy: minutes)
+    python benchmarks/bench_memory.py --device cuda    # GPU: N=16384, H=2048, bf16
+    python benchmarks/bench_memory.py --n 256 --h 64 --v 4096 --repeats 1     # a quick check
+
+It also prints the arithmetic bytes of each path's dominant buffers at N=32768, H=4096 (bf16 on GPU).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark's memory and CPU helpers
+from bench_cpu_policy_loss import _cpu_model, _peak_growth, _start_peak_window  # noqa: E402
+
+PATHS = ("openrlhf", "logits_kernel", "fused_linear")
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Same loss options in every path: clip-higher, k3 KL, entropy bonus, sampling temperature (no AR: upstream has none).
+EPS_LOW, EPS_HIGH, KL_COEF, ENTROPY_COEF, TEMPERATURE = 0.2, 0.28, 0.001, 0.001, 0.7
+FORWARD_ONLY_PASSES = 2  # old-policy and reference log-probs
+GOALS = {"memory_vs_openrlhf": 10.0, "memory_vs_logits_kernel": 3.0, "time_vs_logits_kernel": 1.3}
+DEFAULTS = {
+    "cpu": dict(n=2048, h=896, v=151936, dtype="float32"),  # Qwen2.5-0.5B's hidden size
+    "cuda": dict(n=16384, h=2048, v=151936, dtype="bfloat16"),  # Qwen2.5-3B's
+}
+
+
+def _make_inputs(n: int, h: int, v: int, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
+    """hidden [N, H], weight [V, H] (logits of std ~2.5, as a trained lm_head's), labels drawn from the model,
+    old/ref log-probs = the current ones plus noise (ratios on both sides of the clip)."""
+    from openrlhf_lopti.ops import linear_log_probs
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, device=device).to(dtype)
+    weight = (torch.randn(v, h, generator=g, device=device) * (2.5 / h**0.5)).to(dtype)
+    labels = torch.randint(0, v, (n,), generator=g, device=device)
+    logp, _ = linear_log_probs(hidden, weight, labels, temperature=TEMPERATURE)
+    noise = lambda s: s * torch.randn(n, generator=g, device=device)  # noqa: E731
+    return dict(hidden=hidden.requires_grad_(True), weight=weight.requires_grad_(True), labels=labels,
+                old=logp + noise(0.3), ref=logp + noise(0.5), adv=torch.randn(n, generator=g, device=device),
+                mask=torch.ones(n, dtype=torch.bool, device=device))  # fmt: skip
+
+
+def _openrlhf_steps(data: dict):
+    from openrlhf_lopti.openrlhf.cpu.stubs import install_cpu_stubs
+
+    install_cpu_stubs()  # openrlhf.models imports flash-attn; a no-op where it is installed
+    from openrlhf.models.loss import PolicyLoss
+    from openrlhf.models.utils import compute_approx_kl, compute_entropy, log_probs_from_logits, masked_mean
+
+    policy_loss = PolicyLoss(clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH)
+    labels, mask = data["labels"][None], data["mask"][None].float()  # OpenRLHF's [B, T] layout, B = 1
+
+    def actor_logits(hidden, weight):  # models/actor.py: model output, fp32 upcast, temperature in place
+        logits = (hidden @ weight.t())[None].to(torch.float32)
+        logits.div_(TEMPERATURE)
+        return logits
+
+    def forward_only():
+        with torch.no_grad():
+            return [log_probs_from_logits(actor_logits(data["hidden"], data["weight"]), labels)
+                    for _ in range(FORWARD_ONLY_PASSES)][-1][0]  # fmt: skip
+
+    def train():
+        logits = actor_logits(data["hidden"], data["weight"])
+        entropy = compute_entropy(logits)
+        logp = log_probs_from_logits(logits, labels)
+        del logits
+        loss = policy_loss(logp, data["old"][None], data["adv"][None], action_mask=mask)[0]
+        kl = compute_approx_kl(logp, data["ref"][None], kl_estimator="k3")
+        return loss + KL_COEF * masked_mean(kl, mask, dim=None) - ENTROPY_COEF * masked_mean(entropy, mask, dim=None)
+
+    return forward_only, train
+
+
+def _our_options() -> dict:
+    return dict(ref_log_probs=None, eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=KL_COEF, kl_estimator="k3",
+                temperature=TEMPERATURE, return_entropy=True)  # fmt: skip
+
+
+def _logits_kernel_steps(data: dict):
+    from openrlhf_lopti.ops import fused_policy_loss
+
+    zeros = torch.zeros_like(data["old"])
+
+    def forward_only():
+        with torch.no_grad():
+            for _ in range(FORWARD_ONLY_PASSES):
+                logits = data["hidden"] @ data["weight"].t()
+                out = fused_policy_loss(logits, data["labels"], zeros, zeros, data["mask"], temperature=TEMPERATURE)
+                logp = out.logp
+                del logits
+        return logp
+
+    def train():
+        logits = data["hidden"] @ data["weight"].t()
+        out = fused_policy_loss(logits, data["labels"], data["old"], data["adv"], data["mask"],
+                                **(_our_options() | dict(ref_log_probs=data["ref"])))  # fmt: skip
+        del logits
+        return (out.loss.sum() - ENTROPY_COEF * out.entropy.sum()) / data["mask"].sum()
+
+    return forward_only, train
+
+
+def _fused_linear_steps(data: dict):
+    from openrlhf_lopti.ops import fused_linear_policy_loss, linear_log_probs
+
+    def forward_only():
+        for _ in range(FORWARD_ONLY_PASSES):
+            logp, _ = linear_log_probs(data["hidden"], data["weight"], data["labels"], temperature=TEMPERATURE)
+        return logp
+
+    def train():
+        out = fused_linear_policy_loss(data["hidden"], data["weight"], data["labels"], data["old"], data["adv"],
+                                       data["mask"], **(_our_options() | dict(ref_log_probs=data["ref"])))  # fmt: skip
+        return (out.loss.sum() - ENTROPY_COEF * out.entropy.sum()) / data["mask"].sum()
+
+    return forward_only, train
+
+
+STEPS = {"openrlhf": _openrlhf_steps, "logits_kernel": _logits_kernel_steps, "fused_linear": _fused_linear_steps}
+
+
+class _Peak:
+    """Peak memory growth over the level at ``start()``: CUDA allocator statistics, or the CPU process's RSS."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def start(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.method, self.base = _start_peak_window()
+
+    def growth(self) -> int:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        return _peak_growth(self.method, self.base)
+
+
+def _setup(device: str, n: int, h: int, v: int, dtype_name: str) -> dict:
+    if device == "cpu":
+        torch.set_num_threads(int(os.environ.get("BENCH_THREADS", 0)) or os.cpu_count() or 1)
+    return _make_inputs(n, h, v, getattr(torch, dtype_name), device)
+
+
+def _step(data: dict, forward_only, train, device: str, peak: Optional["_Peak"] = None) -> dict:
+    """One step's loss head: the forward-only passes, then the training forward + backward (gradients to the
+    hidden states and the lm_head weight). Times each part; with ``peak``, also its peak memory growth."""
+    import gc
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    result = {}
+    gc.collect()
+    if peak:
+        peak.start()
+    t0, c0 = time.perf_counter(), time.process_time()
+    logp = forward_only()
+    sync()
+    result["forward_only_s"], result["forward_only_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+    if peak:
+        result["forward_only_peak_bytes"] = peak.growth()
+    del logp
+    gc.collect()
+    if peak:
+        peak.start()
+    t0, c0 = time.perf_counter(), time.process_time()
+    loss = train()
+    grad_hidden, grad_weight = torch.autograd.grad(loss, [data["hidden"], data["weight"]])
+    sync()
+    result["train_s"], result["train_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+    if peak:
+        result["train_peak_bytes"] = peak.growth()
+    result.update(loss=float(loss.detach()), grad_hidden_norm=float(grad_hidden.float().norm()),
+                  grad_weight_norm=float(grad_weight.float().norm()),
+                  grad_bytes=grad_hidden.nbytes + grad_weight.nbytes)  # fmt: skip
+    return result
+
+
+def _memory_worker(path: str, device: str, n: int, h: int, v: int, dtype_name: str) -> dict:
+    """A fresh process for one path: a warm-up step, then one step whose peak memory is measured."""
+    data = _setup(device, n, h, v, dtype_name)
+    forward_only, train = STEPS[path](data)
+    _step(data, forward_only, train, device)  # warm-up: dispatch, torch.compile of upstream's entropy
+    out = dict(path=path, **_step(data, forward_only, train, device, _Peak(device)))
+    out["peak_bytes"] = max(out["forward_only_peak_bytes"], out["train_peak_bytes"])
+    return out
+
+
+def _time_worker(paths: list, device: str, n: int, h: int, v: int, dtype_name: str, repeats: int) -> dict:
+    """All paths in one process on the same inputs, interleaved: one warm-up step each, then ``repeats`` rounds
+    that run every path once, in an order rotated each round, so a change of machine load hits all paths."""
+    data = _setup(device, n, h, v, dtype_name)
+    steps = {path: STEPS[path](data) for path in paths}
+    for path in paths:
+        _step(data, *steps[path], device)
+    rounds = []
+    for r in range(repeats):
+        order = paths[r % len(paths) :] + paths[: r % len(paths)]
+        rounds.append({path: _step(data, *steps[path], device) for path in order})
+        rounds[-1]["loadavg_1min"] = os.getloadavg()[0]  # other jobs on the machine, for the record
+    out = dict(rounds=rounds, threads=torch.get_num_threads())
+    if device == "cpu":
+        from openrlhf_lopti.ops.cpp_policy_loss import cpp_available, cpp_isa
+
+        out["cpp_isa"] = cpp_isa() if cpp_available() else "unavailable (torch backend)"
+    else:
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+def arithmetic_bytes(n: int, h: int, v: int, itemsize: int) -> dict:
+    """Each path's training-step peak from its dominant buffers (bytes), by the structure the CPU measurement
+    shows: OpenRLHF holds four fp32 ``[N, V]`` buffers at its peak (upcast logits, entropy and log-softmax
+    temporaries, gradients), plus the lm_head's low-precision gradient when the model is bf16/fp16; the logits
+    kernel holds the logits and their gradient; the fused lm_head holds two ``[chunk, V]`` buffers and the fp32
+    weight-gradient accumulator (with the final cast to the model dtype for a bf16/fp16 weight)."""
+    from openrlhf_lopti.ops.fused_linear_policy_loss import default_chunk_size
+
+    nv, vh, nh = n * v, v * h, n * h
+    low = itemsize != 4
+    grads = (vh + nh) * itemsize
+    chunk = min(n, default_chunk_size(v, torch.bfloat16 if low else torch.float32, buffers=2))
+    fused_grad_weight = 4 * vh + (itemsize * vh if low else 0)
+    return {
+        "openrlhf": 16 * nv + (itemsize * nv if low else 0),
+        "logits_kernel": max(2 * itemsize * nv, itemsize * nv + grads),
+        "fused_linear": max(2 * chunk * v * itemsize + 4 * vh, fused_grad_weight) + nh * itemsize,
+    }
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f}"
+
+
+PARTS = ("forward_only", "train", "total")
+
+
+def _seconds(run: dict, part: str, clock: str = "") -> float:
+    """Wall (``clock=""``) or process CPU (``clock="cpu_"``) seconds of a part of one step."""
+    if part == "total":
+        return _seconds(run, "forward_only", clock) + _seconds(run, "train", clock)
+    return run[f"{part}_{clock}s"]
+
+
+def summarize(memory: list, timing: dict) -> dict:
+    """Per path: peak bytes (from its own process) and median wall times (from the interleaved rounds). Time
+    ratios fused_linear / logits_kernel, three ways: the median over rounds of the per-round wall ratio, the
+    ratio of the fastest rounds (least disturbed by other jobs), and the median per-round process-CPU ratio."""
+    rounds = timing["rounds"]
+    paths = {m["path"]: dict(m) for m in memory}
+    for path, row in paths.items():
+        for part in PARTS:
+            row[f"{part}_s"] = statistics.median(_seconds(r[path], part) for r in rounds)
+    ratios = {}
+    if {"fused_linear", "logits_kernel", "openrlhf"} <= set(paths):
+        fl, lk, orl = paths["fused_linear"], paths["logits_kernel"], paths["openrlhf"]
+        without = lambda row: row["peak_bytes"] - row["grad_bytes"]  # noqa: E731
+        ratios = {
+            "memory_vs_openrlhf": orl["peak_bytes"] / fl["peak_bytes"],
+            "memory_vs_logits_kernel": lk["peak_bytes"] / fl["peak_bytes"],
+            "memory_vs_openrlhf_without_grads": without(orl) / without(fl),
+            "memory_vs_logits_kernel_without_grads": without(lk) / without(fl),
+        }
+        for part in PARTS:
+            fused = [_seconds(r["fused_linear"], part) for r in rounds]
+            logits = [_seconds(r["logits_kernel"], part) for r in rounds]
+            cpu = [_seconds(r["fused_linear"], part, "cpu_") / _seconds(r["logits_kernel"], part, "cpu_")
+                   for r in rounds]  # fmt: skip
+            ratios[f"{part}_time_vs_logits_kernel"] = {
+                "median_of_round_ratios": statistics.median(f / g for f, g in zip(fused, logits)),
+                "fastest_rounds": min(fused) / min(logits),
+                "median_of_round_cpu_ratios": statistics.median(cpu),
+            }
+    return dict(paths=list(paths.values()), ratios=ratios, loadavg=[r["loadavg_1min"] for r in rounds])
+
+
+def format_report(summary: dict) -> str:
+    lines = [
+        "| path | forward-only passes: time (s) | peak (GiB) | train fwd+bwd: time (s) | peak (GiB) "
+        "| step time (s) | step peak (GiB) | loss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["paths"]:
+        lines.append(
+            f"| {r['path']} | {r['forward_only_s']:.2f} | {_gib(r['forward_only_peak_bytes'])} | {r['train_s']:.2f} "
+            f"| {_gib(r['train_peak_bytes'])} | {r['total_s']:.2f} | {_gib(r['peak_bytes'])} | {r['loss']:.6f} |"
+        )
+    q = summary["ratios"]
+    if q:
+        grads = _gib(summary["paths"][0]["grad_bytes"])
+        lines += [
+            "",
+            f"fused_linear peak: {q['memory_vs_openrlhf']:.1f}x less than openrlhf (goal >= "
+            f"{GOALS['memory_vs_openrlhf']:.0f}x), {q['memory_vs_logits_kernel']:.1f}x less than logits_kernel "
+            f"(goal >= {GOALS['memory_vs_logits_kernel']:.0f}x)",
+            f"  without the {grads} GiB of gradients every path returns: {q['memory_vs_openrlhf_without_grads']:.1f}x "
+            f"and {q['memory_vs_logits_kernel_without_grads']:.1f}x",
+            f"fused_linear time / logits_kernel time (goal for the step <= {GOALS['time_vs_logits_kernel']}x):",
+        ]
+        for part in PARTS:
+            t = q[f"{part}_time_vs_logits_kernel"]
+            lines.append(f"  {part}: {t['median_of_round_ratios']:.2f}x (median of rounds), {t['fastest_rounds']:.2f}x "
+                         f"(fastest rounds), {t['median_of_round_cpu_ratios']:.2f}x (process CPU time)")  # fmt: skip
+    lines.append("1-min load average at the end of each timed round: "
+                 + ", ".join(f"{x:.1f}" for x in summary["loadavg"]))  # fmt: skip
+    return "\n".join(lines)
+
+
+def format_arithmetic(n: int, h: int, v: int, itemsize: int) -> str:
+    b = arithmetic_bytes(n, h, v, itemsize)
+    dtype = {2: "bf16", 4: "fp32"}[itemsize]
+    return (f"arithmetic, training step at N={n}, H={h}, V={v}, {dtype} model (dominant buffers, GiB): "
+            + ", ".join(f"{k} {_gib(x)}" for k, x in b.items())
+            + f"; fused_linear {b['openrlhf'] / b['fused_linear']:.1f}x less than openrlhf, "
+            f"{b['logits_kernel'] / b['fused_linear']:.1f}x less than logits_kernel")  # fmt: skip
+
+
+def _subprocess(args: list) -> dict:
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {args} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--n", type=int, help="tokens (default: 2048 on CPU, 16384 on GPU)")
+    parser.add_argument("--h", type=int, help="hidden size (default: 896 on CPU, 2048 on GPU)")
+    parser.add_argument("--v", type=int, help="vocab size (default 151936, Qwen2.5's)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                        help="model dtype (default: float32 on CPU, bfloat16 on GPU; bf16 GEMMs on CPU are slow)")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (every path once each), after a warm-up")
+    parser.add_argument("--json", help="write the results here (default benchmarks/results/bench_memory_<device>.json)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing JSON file")
+    parser.add_argument("--threads", type=int, help="CPU threads (default: all cores); 1 is least disturbed by "
+                        "other jobs on a shared machine")  # fmt: skip
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # "memory:<path>" or "time:<paths>"
+    args = parser.parse_args(argv)
+    shape = {k: getattr(args, k) or DEFAULTS[args.device][k] for k in ("n", "h", "v", "dtype")}
+    if min(shape["n"], shape["h"], shape["v"], args.repeats, args.threads or 1) < 1:
+        parser.error("--n, --h, --v, --repeats and --threads must be >= 1")
+    dims = (args.device, shape["n"], shape["h"], shape["v"], shape["dtype"])
+    if args.worker:
+        mode, what = args.worker.split(":")
+        result = _memory_worker(what, *dims) if mode == "memory" else _time_worker(what.split(","), *dims, args.repeats)
+        print(json.dumps(result))
+        return 0
+    paths = [p for p in args.paths.split(",") if p]
+    if not paths or set(paths) - set(PATHS):
+        parser.error(f"--paths must be a comma-separated subset of {PATHS}, got {args.paths!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    json_path = Path(args.json or RESULTS_DIR / f"bench_memory_{args.device}.json")
+    if json_path.exists() and not args.overwrite:
+        parser.error(f"{json_path} exists: pass --overwrite to replace it, or --json elsewhere")
+
+    if args.threads:
+        os.environ["BENCH_THREADS"] = str(args.threads)  # read by the worker processes
+    started = time.perf_counter()
+    common = ["--device", args.device, "--n", str(shape["n"]), "--h", str(shape["h"]), "--v", str(shape["v"]),
+              "--dtype", shape["dtype"], "--repeats", str(args.repeats)]  # fmt: skip
+    memory = [_subprocess(["--worker", f"memory:{path}", *common]) for path in paths]
+    timing = _subprocess(["--worker", f"time:{','.join(paths)}", *common])
+    summary = summarize(memory, timing)
+    if args.device == "cuda":
+        where = f"GPU: {timing['gpu']}"
+    else:
+        where = f"CPU: {_cpu_model()}, {os.cpu_count()} cores, torch threads {timing['threads']}"
+        where += f", cpp kernel {timing['cpp_isa']}"
+    print(where)
+    print(f"N={shape['n']}, H={shape['h']}, V={shape['v']}, {shape['dtype']}; {FORWARD_ONLY_PASSES} forward-only "
+          f"passes + one training fwd+bwd. Peaks: one fresh process per path, a step after a warm-up step. Times: "
+          f"median of {args.repeats} interleaved rounds in one process, after a warm-up step per path")  # fmt: skip
+    print(format_report(summary))
+    itemsize = 4 if shape["dtype"] == "float32" else 2
+    print(format_arithmetic(shape["n"], shape["h"], shape["v"], itemsize))
+    print(format_arithmetic(32768, 4096, 151936, 2))
+    print(f"(bench took {time.perf_counter() - started:.0f} s)")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    report = dict(shape=shape, where=where, summary=summary, memory=memory, timing=timing)
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
