@@ -411,3 +411,18 @@ def test_bad_input_is_a_value_error_before_any_matmul(monkeypatch, overrides, me
         hidden, weight, labels, _, _, mask = positional
         with pytest.raises(ValueError, match=message):
             linear_log_probs(hidden, weight, labels, mask=mask, **args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_non_finite_logits_row_is_named_by_its_global_index(backend):
+    """A NaN hidden row gives a NaN logits row: the error names row 13 of the caller's N, not its row in the chunk."""
+    inputs = {k: None if v is None else v.to(_device(backend)) for k, v in make_inputs(seed=18).items()}
+    inputs["mask"][:] = True
+    inputs["hidden"][13, 2] = float("nan")
+    rest = {k: v for k, v in inputs.items() if k not in ("hidden", "weight", "bias")}
+    with pytest.raises(ValueError, match=r"logits row 13 \(unmasked\) has NaN"):
+        fused(inputs["hidden"], inputs["weight"], inputs["bias"], rest, chunk_size=5, backend=backend, **OPTIONS)
+    with pytest.raises(ValueError, match=r"logits row 13 \(unmasked\) has NaN"):
+        linear_log_probs(inputs["hidden"], inputs["weight"], inputs["labels"], chunk_size=5, backend=backend)
+    inputs["mask"][13] = False  # the same row masked: never multiplied, no error
+    fused(inputs["hidden"], inputs["weight"], inputs["bias"], rest, chunk_size=5, backend=backend, **OPTIONS)

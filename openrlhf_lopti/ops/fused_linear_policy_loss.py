@@ -29,6 +29,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..algo import PolicyLossOutput
+from ..algo.policy_loss import bad_logit_row_error, first_flagged_row
 from .fused_policy_loss import BACKENDS, LOGITS_DTYPES, _check_row_inputs, fused_policy_loss
 
 # Default chunking: the [chunk, V] buffers alive at once take at most this many bytes (model dtype). Forward
@@ -100,16 +101,23 @@ class _Rows:
     def chunk_loss(self, logits, start, options, backend) -> PolicyLossOutput:
         """The kernel on the chunk's logits (rows ``start : start + len(logits)`` of the kept rows)."""
         part = slice(start, start + logits.shape[0])
-        return fused_policy_loss(
-            logits,
-            self.labels[part],
-            self.old[part],
-            self.adv[part],
-            torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device),
-            ref_log_probs=None if self.ref is None else self.ref[part],
-            backend=backend,
-            **options,
-        )
+        try:
+            return fused_policy_loss(
+                logits,
+                self.labels[part],
+                self.old[part],
+                self.adv[part],
+                torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device),
+                ref_log_probs=None if self.ref is None else self.ref[part],
+                backend=backend,
+                **options,
+            )
+        except ValueError as error:  # a NaN / +inf / all -inf logits row: name it by the caller's row index
+            bad = first_flagged_row(~torch.isfinite(torch.logsumexp(logits.float() / options["temperature"], -1)))
+            if bad is None:
+                raise
+            row = int(self.index[start + bad])
+            raise bad_logit_row_error(row, logits[bad], options["temperature"]) from error
 
 
 def _forward(hidden, weight, bias, rows: _Rows, n: int, chunk: int, options: dict, backend: str) -> tuple:
@@ -254,7 +262,8 @@ def fused_linear_policy_loss(
     Raises:
         ValueError: naming the argument, before any matmul: the checks and messages of ``fused_policy_loss``
             for the per-token inputs and options, plus shape / dtype / device of ``hidden``, ``weight``,
-            ``bias`` and ``chunk_size``.
+            ``bias`` and ``chunk_size``. And, as ``fused_policy_loss``, for the first unmasked row whose logits
+            hold a NaN or +inf, or only -inf: ``"logits row i ..."`` with ``i`` its row in ``hidden``.
     """
     _check_linear_inputs(hidden, weight, bias, chunk_size, backend)
     n, v = hidden.shape[0], weight.shape[0]
@@ -301,7 +310,8 @@ def linear_log_probs(
         ``(logp, entropy)``: fp32 ``[N]`` (nats) and fp32 ``[N]`` or None; detached.
 
     Raises:
-        ValueError: the same checks and messages as :func:`fused_linear_policy_loss`.
+        ValueError: the same checks and messages as :func:`fused_linear_policy_loss` (non-finite logits rows
+            included).
     """
     _check_linear_inputs(hidden, weight, bias, chunk_size, backend)
     n, v = hidden.shape[0], weight.shape[0]
