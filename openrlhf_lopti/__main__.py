@@ -23,12 +23,13 @@ COMMANDS = {
     "data": ("openrlhf_lopti.tasks.data", "write OpenRLHF prompt datasets (K&K, math)"),
     "tiny-model": ("openrlhf_lopti.local.tiny_model", "a random tiny Llama + K&K tokenizer (HF format) for dry runs"),
     "bench": ("benchmarks.bench_policy_loss", "benchmark the fused policy loss against OpenRLHF's path"),
+    "bench-step": ("benchmarks.bench_train_step", "whole RL steps: GRPO / AR / Lopti, both trainers, every loss path"),
 }
 
 
 def usage() -> str:
     lines = ["usage: openrlhf-lopti <command> [options]", "", "commands:"]
-    lines += [f"  {name:<7} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "`openrlhf-lopti <command> --help` shows a command's options; "
               f"`{DEBUG_FLAG}` shows the traceback of an error."]  # fmt: skip
     return "\n".join(lines)
@@ -55,7 +56,7 @@ def _run(argv: list) -> int:
         # benchmarks/ sits beside the package in a source checkout and is not installed with it.
         repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         if not os.path.isdir(os.path.join(repo_root, "benchmarks")):
-            raise UserError("`bench` needs a source checkout (benchmarks/ beside the package)")
+            raise UserError(f"`{name}` needs a source checkout (benchmarks/ beside the package)")
         sys.path.insert(0, repo_root)
     module = importlib.import_module(module_name)
     return int(module.main(rest) or 0)

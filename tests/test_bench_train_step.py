@@ -1,0 +1,178 @@
+"""benchmarks/bench_train_step.py: the local trainer end to end at a tiny size, the OpenRLHF launch's flags against
+the real parser, its step records from TensorBoard scalars, the process-tree memory poller, the output rules.
+
+The OpenRLHF ``--cpu`` launch itself is not run here: one launch takes 70-100 s on the 2-core CI machine (Ray, 3
+processes, DeepSpeed); tests/test_openrlhf_cpu_pipeline.py runs that pipeline end to end.
+"""
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import bench_train_step as bench
+from openrlhf_lopti.errors import UserError
+
+TINY = ["--trainers", "local", "--hidden-size", "32", "--layers", "1", "--heads", "2", "--sharpen", "6",
+        "--prompts", "2", "--n-samples", "2", "--max-new-tokens", "6", "--mini-batch-size", "2",
+        "--micro-batch-size", "1", "--warmup", "1", "--repeats", "2", "--methods", "grpo,lopti",
+        "--loss-paths", "eager,fused_lm_head"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "out"
+    assert bench.main(TINY + ["--out", str(out)]) == 0
+    return out, json.loads((out / "train_step.json").read_text())
+
+
+def test_local_run_writes_every_method_and_loss_path_with_counted_steps_only(tiny_run):
+    out, report = tiny_run
+    assert {p.name for p in out.iterdir()} == set(bench.OUTPUTS)
+    assert (out / "train_step.png").stat().st_size > 0
+    results = report["results"]["local"]
+    assert set(results) == {"grpo", "lopti"} and all(set(r) == {"eager", "fused_lm_head"} for r in results.values())
+    records = report["records"]
+    assert len(records) == 2 * 2 * 2  # 2 methods x 2 loss paths x 2 counted rounds: the warm-up round is left out
+    assert sorted({r["pair"] for r in records}) == [1, 2]
+    for r in records:
+        # a step = generation + the rest of experience making + the update; Lopti's phases lie inside the update
+        assert r["step_s"] == pytest.approx(r["generation_s"] + r["experience_s"] + r["train_s"])
+        assert min(r["generation_s"], r["experience_s"], r["train_s"]) > 0
+        if r["method"] == "lopti":
+            assert 0 <= r["train_low_s"] + r["train_high_s"] <= r["train_s"]
+        low = r["low_token_fraction"]
+        passes = (int(low > 0) + int(low < 1)) if r["method"] == "lopti" else 1
+        assert r["optimizer_steps"] == passes * (4 // 2)  # 4 responses, 2 per optimizer step, per pass
+        assert r["train_tokens_per_s"] == pytest.approx(r["response_tokens"] / r["train_s"])
+        assert r["peak_memory_mib"] > 0
+    stats = results["lopti"]["eager"]["train_s"]
+    values = [r["train_s"] for r in records if r["method"] == "lopti" and r["loss_path"] == "eager"]
+    assert stats == {"median": statistics.median(values), "min": min(values), "max": max(values), "n": 2}
+
+
+def test_method_order_rotates_from_round_to_round(tiny_run):
+    _, report = tiny_run
+    orders = {}
+    for r in report["records"]:
+        if r["loss_path"] == "eager":
+            orders.setdefault(r["pair"], []).append(r["method"])
+    assert orders[1] != orders[2] and sorted(orders[1]) == sorted(orders[2])
+
+
+def test_lopti_factor_is_the_median_of_step_by_step_ratios(tiny_run):
+    out, report = tiny_run
+    for path in ("eager", "fused_lm_head"):
+        by = {(r["method"], r["pair"]): r for r in report["records"] if r["loss_path"] == path}
+        ratios = [by[("lopti", k)]["train_s"] / by[("grpo", k)]["train_s"] for k in (1, 2)]
+        factor = report["lopti_factor"]["local"][path]["lopti"]["train"]
+        assert factor["median"] == pytest.approx(statistics.median(ratios)) and factor["n"] == 2
+    table = (out / "train_step.md").read_text()
+    assert table.count("| local |") == 4 and f"paper: {bench.PAPER_LOPTI_FACTOR}x" in table
+
+
+def test_out_folder_is_refused_then_replaced_with_overwrite(tiny_run):
+    out, report = tiny_run
+    with pytest.raises(UserError, match="--overwrite"):
+        bench.main(TINY + ["--out", str(out)])
+    (out / "mine.txt").write_text("kept")
+    assert bench.main(TINY + ["--out", str(out), "--overwrite", "--repeats", "1", "--warmup", "0",
+                              "--methods", "grpo", "--loss-paths", "eager"]) == 0  # fmt: skip
+    assert len(json.loads((out / "train_step.json").read_text())["records"]) == 1
+    assert (out / "mine.txt").read_text() == "kept"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--methods", "grpo,dapo"], "argument --methods: 'grpo,dapo': give a comma-separated subset of"),
+        (["--mini-batch-size", "3"], "--mini-batch-size 3 must divide"),
+        (["--micro-batch-size", "3", "--mini-batch-size", "4"], "--micro-batch-size 3 must divide"),
+        (["--eta", "0"], "--eta must be in (0, 1]"),
+        (["--model", "/nonexistent"], "--model /nonexistent: no such folder"),
+    ],
+)
+def test_bad_flags_are_one_line_errors_naming_the_flag(flags, message):
+    with pytest.raises(UserError) as error:
+        bench.resolve_args(flags)
+    assert message in str(error.value)
+
+
+def test_openrlhf_launch_flags_parse_with_the_real_parser(tmp_path):
+    from openrlhf_lopti.cli.train_ppo_ray import parse_args
+
+    args = bench.resolve_args([])
+    for method, (alpha, lopti) in bench.METHODS.items():
+        for path in bench.LOSS_PATHS:
+            argv = bench.openrlhf_argv(args, tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "r.py", tmp_path / "s",
+                                       method, path)  # fmt: skip
+            parsed = parse_args(argv)  # upstream's parser, post-processing and checks, and ours
+            assert parsed.cpu and parsed.algo.ar_alpha == alpha
+            assert parsed.algo.lopti_eta == (0.5 if lopti else 0.0)
+            assert parsed.actor.fused_loss == ("off" if path == "eager" else "auto")
+            assert parsed.actor.fused_lm_head == (path == "fused_lm_head")
+            assert (parsed.rollout.batch_size, parsed.rollout.n_samples_per_prompt, parsed.train.batch_size) == (8, 4, 16)
+            assert parsed.data.max_samples == 3 * 8  # 1 warm-up + 2 counted steps of 8 prompts
+
+
+def fake_scalars(steps: int, low: float, lopti_phases: bool) -> dict:
+    scalars = {}
+    for step in range(1, steps + 1):
+        values = {"timing/generation": 1.0 * step, "timing/make_experience": 0.5, "timing/ppo_train": 2.0 * step,
+                  "timing/broadcast": 0.1, "timing/step_total": 99.0, "lopti/low_token_frac": low,
+                  "rollout/response_length_mean": 10.0, "rollout/num_samples": 32.0}  # fmt: skip
+        if lopti_phases:
+            values |= {"lopti/low/train_s": 0.5 * step, "lopti/high/train_s": 1.5 * step}
+        for tag, value in values.items():
+            scalars.setdefault(f"train/{tag}", {})[step] = value
+    return scalars
+
+
+def test_openrlhf_records_skip_the_warm_up_steps_and_read_upstreams_timings():
+    args = SimpleNamespace(openrlhf_warmup=1, openrlhf_steps=2, prompts=8, n_samples=4, mini_batch_size=16)
+    records = bench.openrlhf_records(args, fake_scalars(3, 0.25, True), "lopti", "eager", 0, 512.0)
+    assert [r["pair"] for r in records] == [(0, 2), (0, 3)]
+    first = records[0]
+    # the step is the sum of upstream's four stages (its step_total also sums any other timing/* key)
+    assert (first["generation_s"], first["train_s"], first["broadcast_s"]) == (2.0, 4.0, 0.1)
+    assert first["step_s"] == pytest.approx(2.0 + 0.5 + 4.0 + 0.1)
+    assert (first["train_low_s"], first["train_high_s"]) == (1.0, 3.0)
+    assert first["optimizer_steps"] == 2 * 2  # two Lopti passes of 32 responses / 16 per optimizer step
+    assert first["train_tokens_per_s"] == 320 / 4.0 and first["peak_memory_mib"] == 512.0
+    grpo = bench.openrlhf_records(args, fake_scalars(3, 0.25, False), "grpo", "eager", 0, None)
+    assert grpo[0]["optimizer_steps"] == 2 and "train_low_s" not in grpo[0]
+    no_phase_times = bench.openrlhf_records(args, fake_scalars(3, 0.0, False), "lopti", "eager", 0, None)
+    assert no_phase_times[0]["train_low_s"] is None and no_phase_times[0]["optimizer_steps"] == 2  # low phase empty
+    with pytest.raises(RuntimeError, match="logged 2 steps, expected 3"):
+        bench.openrlhf_records(args, fake_scalars(2, 0.25, False), "grpo", "eager", 0, None)
+
+
+def test_process_tree_peaks_see_a_grandchilds_peak_rss():
+    code = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
+            "'x = bytearray(150 * 2**20); import time; time.sleep(1.5)  # grandchild'])")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    peaks = bench.ProcessTreePeaks(proc.pid, every=0.1)
+    peaks.start()
+    proc.wait()
+    time.sleep(0.1)
+    peaks.done.set()
+    peaks.join()
+    assert peaks.peak_mib("grandchild") >= 150
+    assert peaks.peak_mib("no such process") is None
+
+
+def test_rotation_and_spread():
+    assert [bench.rotated("abc", k) for k in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]
+    assert bench.spread([3, 1, 2]) == {"median": 2, "min": 1, "max": 3, "n": 3}
+    assert bench.spread([None]) == {"median": None, "min": None, "max": None, "n": 0}
+
+
+def test_registered_as_openrlhf_lopti_bench_step(capsys):
+    from openrlhf_lopti.__main__ import main
+
+    assert main(["bench-step", "--loss-paths", "fused"]) == 2
+    assert "argument --loss-paths: 'fused': give a comma-separated subset of" in capsys.readouterr().err
