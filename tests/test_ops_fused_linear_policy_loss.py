@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import openrlhf_lopti.ops.cpp_policy_loss as cpp_module
 from openrlhf_lopti.algo import policy_loss_from_logits, token_logprobs
-from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss, linear_log_probs
+from openrlhf_lopti.ops import fused_linear_policy_loss, linear_log_probs
 
 linear_module = importlib.import_module("openrlhf_lopti.ops.fused_linear_policy_loss")
 
@@ -256,18 +256,6 @@ def test_frozen_weight_gets_no_gradient_and_no_weight_matmul():
     torch.testing.assert_close(hidden.grad, ref_hidden.grad, atol=1e-5, rtol=1e-4)
 
 
-def _kernel_exact_at_neg_inf(backend: str) -> bool:
-    """Whether ``fused_policy_loss`` itself gives finite entropy and gradients with a -inf column (issue 15)."""
-    logits = torch.zeros(2, 5, device=_device(backend))
-    logits[:, 1] = -float("inf")
-    logits.requires_grad_(True)
-    ones = torch.ones(2, device=logits.device)
-    out = fused_policy_loss(logits, torch.zeros(2, dtype=torch.long, device=logits.device), -ones, ones,
-                            ones.bool(), return_entropy=True, backend=backend)  # fmt: skip
-    (out.loss.sum() + out.entropy.sum()).backward()
-    return bool(torch.isfinite(out.entropy).all() and torch.isfinite(logits.grad).all())
-
-
 def _neg_inf_case(backend: str, with_entropy: bool):
     """-inf bias columns must act as if those tokens were not in the vocabulary (issue 15's semantics)."""
     inputs = {k: None if v is None else v.to(_device(backend)) for k, v in make_inputs(seed=13).items()}
@@ -300,12 +288,7 @@ def test_neg_inf_bias_columns_loss_and_logp(backend):
     _neg_inf_case(backend, with_entropy=False)
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [pytest.param(b, marks=pytest.mark.xfail(not _kernel_exact_at_neg_inf(b), strict=True,
-                                             reason="issue 15: the kernels' entropy is NaN at -inf logits"))
-     for b in BACKENDS],
-)  # fmt: skip
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_neg_inf_bias_columns_with_entropy(backend):
     _neg_inf_case(backend, with_entropy=True)
 
