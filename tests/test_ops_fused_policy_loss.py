@@ -17,7 +17,7 @@ from openrlhf_lopti.ops import fused_policy_loss
 # The package re-exports the function under the module's name, so fetch the module itself.
 fused_module = importlib.import_module("openrlhf_lopti.ops.fused_policy_loss")
 
-from .kernel_cases import Case, make_inputs, options
+from .kernel_cases import Case, make_inputs, options, textbook_policy_loss
 
 N, V = 6, 11
 
@@ -339,3 +339,33 @@ def test_auto_here_runs_and_matches_the_reference():
     ]
     for name in ("loss", "logp", "kl", "entropy"):
         torch.testing.assert_close(getattr(outs[0], name), getattr(outs[1], name), rtol=1e-5, atol=1e-5)
+
+
+def test_defaults_run_the_plain_loss_on_the_auto_backend():
+    """No option given: alpha 0, clip range [0.8, 1.2], no dual clip, no KL, temperature 1, no entropy, backend auto
+    (cpp here): the loss written out in the test with those values."""
+    case = Case(n=40, v=30, old_spread=2.0, seed=3)
+    inputs = make_inputs(case)
+    out = fused_policy_loss(*[inputs[k] for k in ("logits", "labels", "old_log_probs", "advantages", "mask")])
+    assert out.entropy is None and out.clipped.any()
+    opts = dict(alpha=0.0, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", temperature=1.0)
+    want = textbook_policy_loss(dict(inputs, ref_log_probs=None), opts, inputs["logits"])
+    torch.testing.assert_close(out.loss.double(), want["loss"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.logp.double(), want["logp"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_kernel_bad_rows_raise_the_references_message(backend):
+    """A kernel flags the bad row in its pass; the ValueError names that row and what it holds, at the call's
+    temperature."""
+    args = _good(kl_coef=0.0, ref_log_probs=None)
+    args["logits"] = args["logits"].clone()
+    args["logits"][3, 2] = 3e38  # finite, but not once divided by 0.5
+    with pytest.raises(ValueError) as error:
+        _call(dict(args, temperature=0.5), backend=backend)
+    assert str(error.value).startswith(
+        "logits row 3 (unmasked) has finite values that overflow float32 when divided by temperature=0.5; "
+    )
+    args["logits"][1, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"^logits row 1 \(unmasked\) has NaN at column 4; "):
+        _call(args, backend=backend)
