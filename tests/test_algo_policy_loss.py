@@ -15,7 +15,7 @@ from openrlhf_lopti.algo import (
     reweight_advantages,
     token_logprobs,
 )
-from openrlhf_lopti.algo.policy_loss import bad_logit_row_error, first_flagged_row
+from openrlhf_lopti.algo.policy_loss import bad_logit_row_error, check_logit_rows, first_flagged_row
 
 from .kernel_cases import Case, make_inputs, options, textbook_policy_loss
 
@@ -395,3 +395,22 @@ def test_defaults():
     torch.testing.assert_close(approx_kl(x, torch.zeros(3)), ((-x).exp() - 1 + x).clamp(max=10.0))  # k3 by default
     with pytest.raises(ValueError, match=r"^ref_log_probs is required when kl_coef != 0$"):
         policy_loss_from_logp(torch.zeros(2), torch.zeros(2), torch.ones(2), kl_coef=0.1)
+
+
+def test_eps_low_no_mask_and_the_defaults_of_the_helpers():
+    """(From the mutation run's survivors.) A non-default eps_low reaches the loss; mask=None with entropy; the
+    default temperature of token_logprobs and check_logit_rows is 1."""
+    case = Case(n=40, v=30, old_spread=2.0, entropy=True, masked_fraction=0.0, seed=36)
+    inputs, opts = make_inputs(case), options(case)
+    opts.update(eps_low=0.05, return_entropy=True)
+    args = [inputs[k] for k in ("logits", "labels", "old_log_probs", "advantages")]
+    out = policy_loss_from_logits(*args, None, ref_log_probs=inputs["ref_log_probs"], **opts)
+    want = textbook_policy_loss(inputs, opts, inputs["logits"])
+    for name in ("loss", "entropy"):
+        torch.testing.assert_close(getattr(out, name).double(), want[name], rtol=1e-5, atol=1e-6)
+    logp, entropy = token_logprobs(inputs["logits"], inputs["labels"])
+    torch.testing.assert_close(logp.double(), want["logp"] if case.temperature == 1.0 else None, rtol=1e-5, atol=1e-6)
+    logits = torch.zeros(2, 3)
+    logits[1, 0] = 3e38
+    with pytest.raises(ValueError, match="temperature=1.0;"):
+        check_logit_rows(torch.tensor([False, True]), logits)
