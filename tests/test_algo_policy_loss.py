@@ -409,7 +409,7 @@ def test_eps_low_no_mask_and_the_defaults_of_the_helpers():
     for name in ("loss", "entropy"):
         torch.testing.assert_close(getattr(out, name).double(), want[name], rtol=1e-5, atol=1e-6)
     logp, entropy = token_logprobs(inputs["logits"], inputs["labels"])
-    torch.testing.assert_close(logp.double(), want["logp"] if case.temperature == 1.0 else None, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logp.double(), want["logp"], rtol=1e-5, atol=1e-6)  # the case has temperature 1
     logits = torch.zeros(2, 3)
     logits[1, 0] = 3e38
     with pytest.raises(ValueError, match="temperature=1.0;"):
