@@ -604,6 +604,7 @@ def test_lopti_metrics_in_the_status(env):
     old, mask = run.experience.action_log_probs, run.experience.action_mask
     assert status["lopti/low_token_frac"] == pytest.approx((old.exp()[mask] < 0.5).float().mean().item())
     assert status["lopti/threshold"] == 0.5
+    assert status["lopti/low/train_s"] > 0 and status["lopti/high/train_s"] > 0  # each phase's wall seconds
     for phase in ("low", "high"):
         for key in ("policy_loss", "ppo_clip_ratio", "actor_grad_norm", "ppo_kl"):
             assert f"lopti/{phase}/{key}" in status

@@ -10,7 +10,8 @@ What each flag changes, and where (the math itself is ``openrlhf_lopti.algo`` / 
   ``experience.action_mask`` by the phase's tokens (so policy loss, KL and entropy are masked to them) and
   zeroes the other tokens' advantages; each step's forward uses the weights as the earlier steps left them.
   ``experience.action_log_probs`` (the rollout policy's: the PPO anchor and the threshold's p) never change.
-  Logged as ``lopti/low_token_frac``, ``lopti/threshold`` and ``lopti/<phase>/<metric>``.
+  Logged as ``lopti/low_token_frac``, ``lopti/threshold``, ``lopti/<phase>/<metric>`` and the phase's wall
+  seconds ``lopti/<phase>/train_s``.
 - ``--algo.lopti_denominator``: ``all`` applies the phase mask after the token-mean denominators are counted
   (every response token, as in the authors' code); ``phase`` applies it to the replay-buffer items before
   upstream's ``ppo_train`` counts them.
@@ -26,6 +27,7 @@ What each flag changes, and where (the math itself is ``openrlhf_lopti.algo`` / 
 
 import copy
 import inspect
+import time
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Dict, Iterator, Optional
 
@@ -193,12 +195,14 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             if statuses:  # a later phase: upstream's single pass would not have moved the schedule yet
                 self._restore_lr_schedule(schedule)
             self.lopti_phase = name
+            started = time.perf_counter()
             try:
                 with self._replay_items_in_phase() if self.lopti.lopti_denominator == "phase" else nullcontext():
                     with self._passes_end_on_optimizer_steps():
                         statuses[name] = super().ppo_train(kl_ctl)
             finally:
                 self.lopti_phase = None
+            metrics[f"lopti/{name}/train_s"] = time.perf_counter() - started  # wall seconds of the phase's pass
         share = {name: counts[name] / tokens for name in counts}
         merged = merge_phase_status(statuses, share, self.lopti.lopti_denominator, self.args.algo.kl.use_loss)
         return {**merged, **metrics}
