@@ -133,7 +133,8 @@ FACTOR_FIELDS = {"train": "train_s", "step": "step_s", "train_cpu": "train_cpu_s
 def summarize(records: list) -> dict:
     """``{trainer: {method: {loss_path: {field: spread}}}}`` over the counted step records."""
     out: dict = {}
-    for r in records:
+    order = {name: i for i, name in enumerate((*TRAINERS, *METHODS, *LOSS_PATHS))}
+    for r in sorted(records, key=lambda r: (order[r["trainer"]], order[r["loss_path"]], order[r["method"]])):
         out.setdefault(r["trainer"], {}).setdefault(r["method"], {}).setdefault(r["loss_path"], []).append(r)
     return {
         trainer: {
@@ -481,8 +482,9 @@ def bench_openrlhf(args, model_dir: Path, reward_file: Path, work: Path, log: Ca
                     f"{args.openrlhf_steps} steps ...")  # fmt: skip
                 started = time.perf_counter()
                 save.mkdir(parents=True)
+                env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
                 with open(save / "launch.log", "w") as out:
-                    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=work)
+                    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=work, env=env)
                     peaks = ProcessTreePeaks(proc.pid)
                     peaks.start()
                     code = proc.wait()
@@ -546,10 +548,10 @@ def plot_stages(report: dict, path: Path) -> None:
     panels = [(t, p) for t, methods in report["results"].items()
               for p in dict.fromkeys(p for m in methods.values() for p in m)]  # fmt: skip
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.5), squeeze=False, sharey=False)
-    colors = {"generation": "#8da0cb", "experience": "#66c2a5", "train": "#fc8d62", "train_low": "#e78ac3",
+    colors = {"generation": "#8da0cb", "experience": "#66c2a5", "train": "#e5c494", "train_low": "#e78ac3",
               "train_high": "#fc8d62", "broadcast": "#a6d854"}  # fmt: skip
     for ax, (trainer, loss_path) in zip(axes[0], panels):
-        methods = [m for m, by_path in report["results"][trainer].items() if loss_path in by_path]
+        methods = [m for m in METHODS if loss_path in report["results"][trainer].get(m, {})]
         for i, method in enumerate(methods):
             s = report["results"][trainer][method][loss_path]
             lopti_split = METHODS[method][1] and all(s[f"train_{p}_s"]["median"] is not None for p in PHASES)
@@ -558,14 +560,13 @@ def plot_stages(report: dict, path: Path) -> None:
             bottom = 0.0
             for part in parts:
                 height = s[f"{part}_s"]["median"] or 0.0
-                label = part.replace("_", " ") if i == 0 or part.startswith("train_") else None
-                ax.bar(i, height, bottom=bottom, color=colors[part], label=label, edgecolor="white")
+                ax.bar(i, height, bottom=bottom, color=colors[part], label=part.replace("_", " "), edgecolor="white")
                 bottom += height
         ax.set_xticks(range(len(methods)), methods)
         ax.set_title(f"{trainer}: {loss_path}")
         ax.set_ylabel("seconds per RL step (median)")
         handles, labels = ax.get_legend_handles_labels()
-        unique = dict(zip(labels, handles))
+        unique = dict(zip(labels, handles))  # one entry per stage
         ax.legend(unique.values(), unique.keys(), fontsize=8)
     fig.suptitle("Where an RL step's time goes (bench_train_step)")
     fig.tight_layout()
@@ -627,10 +628,11 @@ def build_parser() -> ArgumentParser:
                    help="scale of the tiny model's final norm (its logits): how peaked its next-token probabilities are")
     g = p.add_argument_group("sizes of one RL step (both trainers)")
     g.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
-    g.add_argument("--n-samples", type=int, default=4, help="responses per prompt (default 4)")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="response length limit (default 64)")
-    g.add_argument("--mini-batch-size", type=int, default=16, help="responses per optimizer step (default 16)")
-    g.add_argument("--micro-batch-size", type=int, default=4, help="responses per forward (default 4)")
+    g.add_argument("--n-samples", type=int, default=8, help="responses per prompt (default 8, the paper's)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="response length limit (default 128)")
+    g.add_argument("--mini-batch-size", type=int, default=32,
+                   help="responses per optimizer step (default 32: 2 optimizer steps per pass, as the paper's K&K runs)")
+    g.add_argument("--micro-batch-size", type=int, default=8, help="responses per forward (default 8)")
     g.add_argument("--people", type=int, nargs="+", default=[2], help="K&K puzzle sizes (default 2)")
     g.add_argument("--temperature", type=float, default=0.7)
     g.add_argument("--eta", type=float, default=0.5, help="Lopti's threshold (default 0.5, the paper's)")
@@ -645,7 +647,10 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--openrlhf-launches", type=int, default=1, help="OpenRLHF: launches per (loss path, method)")
     g = p.add_argument_group("device")
     g.add_argument("--device", default="cpu", help="local trainer's device (default cpu); OpenRLHF runs with --cpu")
-    g.add_argument("--threads", type=int, default=0, help="torch threads of the local trainer (0: torch's default)")
+    g.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the local trainer and of every OpenRLHF process (OMP_NUM_THREADS); 0: "
+                   "torch's default. Default 1: on a machine shared with other jobs, 2 threads made the update "
+                   "5-15x slower and far noisier (a thread waits at each barrier for one the OS descheduled)")
     return p
 
 

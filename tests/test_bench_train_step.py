@@ -115,7 +115,8 @@ def test_openrlhf_launch_flags_parse_with_the_real_parser(tmp_path):
             assert parsed.algo.lopti_eta == (0.5 if lopti else 0.0)
             assert parsed.actor.fused_loss == ("off" if path == "eager" else "auto")
             assert parsed.actor.fused_lm_head == (path == "fused_lm_head")
-            assert (parsed.rollout.batch_size, parsed.rollout.n_samples_per_prompt, parsed.train.batch_size) == (8, 4, 16)
+            assert (parsed.rollout.batch_size, parsed.rollout.n_samples_per_prompt, parsed.train.batch_size) == (8, 8, 32)
+            assert (parsed.train.micro_batch_size, parsed.rollout.max_new_tokens) == (8, 128)
             assert parsed.data.max_samples == 3 * 8  # 1 warm-up + 2 counted steps of 8 prompts
 
 
