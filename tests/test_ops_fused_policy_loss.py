@@ -146,6 +146,7 @@ def test_bad_input_is_a_value_error_naming_the_argument(backends_must_not_run, n
     [
         (dict(logits=[[0.0] * V] * N), "logits must be a [N, V] tensor, got shape <class 'list'>"),
         (dict(logits=torch.randn(N)), f"logits must be a [N, V] tensor, got shape torch.Size([{N}])"),
+        (dict(logits=torch.randn(N, 0)), "logits must have a non-empty vocab dimension V"),
         (dict(labels=list(range(N))), f"labels must be a torch.Tensor of shape [{N}], got list"),
         (dict(labels=torch.zeros(N + 1, dtype=torch.long)), f"labels must have shape [N]=[{N}] to match logits [N, V], got ({N + 1},)"),
         (dict(mask=torch.ones(N, dtype=torch.bool, device=meta)), "mask is on meta but logits is on cpu"),
@@ -153,7 +154,7 @@ def test_bad_input_is_a_value_error_naming_the_argument(backends_must_not_run, n
          "old_log_probs must be finite on unmasked rows (as float32, the precision of the loss)"),
         (dict(ref_log_probs=None, kl_coef=0.1), "ref_log_probs is required when kl_coef != 0"),
     ],
-    ids=["logits-list", "logits-1d", "labels-list", "labels-shape", "mask-device", "old-nan", "ref-missing"],
+    ids=["logits-list", "logits-1d", "logits-no-vocab", "labels-list", "labels-shape", "mask-device", "old-nan", "ref-missing"],
 )  # fmt: skip
 def test_bad_input_messages_in_full(overrides, message):
     with pytest.raises(ValueError) as error:
