@@ -446,7 +446,7 @@ def format_markdown(result: dict) -> str:
         "Mean over seeds [95% CI, Student's t].",
         "",
         "| method | " + " | ".join(label for _, label in METRICS) + " | reward, first 20% | p < 0.5 tokens | "
-        "A>0 up: Q1 | Q2 | Q3 | A<0 down: Q4 |",
+        "A>0 up, Q1 | A>0 up, Q2 | A>0 up, Q3 | A<0 down, Q4 |",
         "|" + "---|" * (len(METRICS) + 7),
     ]
     for m in result["methods"]:
