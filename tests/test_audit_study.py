@@ -106,3 +106,12 @@ def test_study_end_to_end_and_resume(tmp_path, capsys):
     # A different setting in the same folder is refused.
     assert cli_main(["study", "--out", str(out), *TINY, "--lr", "0.1"]) == 2
     assert "different study" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("people", ["a", "2,x", ","])
+def test_bad_people_is_one_line_naming_the_flag(tmp_path, capsys, people):
+    out = tmp_path / "study"
+    assert cli_main(["study", "--out", str(out), "--people", people, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("openrlhf-lopti study: error: --people") and "\n" not in err
+    assert "comma-separated" in err and not out.exists()

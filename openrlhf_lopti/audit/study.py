@@ -78,6 +78,7 @@ SETTING_HELP = {
     "lr": "AdamW learning rate of the RL runs",
     "eval_prompts": "held-out puzzles of the final greedy accuracy",
 }
+PEOPLE_FORM = "must be comma-separated K&K sizes in [2, 8], e.g. 2 or 3,4"
 METRICS = (
     ("eval_accuracy", "final held-out greedy accuracy"),
     ("reward_last", "reward over the last 20% of steps"),
@@ -111,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
 def setting_of(args: argparse.Namespace) -> dict:
     """The fields that define the study's numbers (seeds, methods and jobs may change between runs)."""
     setting = {name: getattr(args, name) for name in SETTING_DEFAULTS}
-    setting["people"] = [int(x) for x in str(args.people).split(",") if x.strip()]
+    try:
+        setting["people"] = [int(x) for x in str(args.people).split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--people {PEOPLE_FORM}, got {args.people!r}") from None
     setting["loss_backend"] = args.loss_backend
     return setting
 
@@ -119,7 +123,7 @@ def setting_of(args: argparse.Namespace) -> dict:
 def check_setting(setting: dict) -> None:
     """Raise :class:`UserError` naming the flag of the first bad value."""
     if not setting["people"] or any(not 2 <= n <= 8 for n in setting["people"]):
-        raise UserError(f"--people must list K&K sizes in [2, 8], got {setting['people']!r}")
+        raise UserError(f"--people {PEOPLE_FORM}, got {setting['people']!r}")
     for name in ("hidden_size", "num_layers", "steps", "prompts_per_step", "eval_prompts"):
         if setting[name] < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {setting[name]}")
