@@ -58,6 +58,20 @@ MODULES = {
 
 KILLED = {"killed", "timeout", "segfault", "caught by type check"}  # the tests (or the clock) noticed
 
+# Imported once in mutmut's fork server (added to the copy's tests/conftest.py): the tests of these modules import
+# openrlhf / DeepSpeed lazily, and 20-40 CPU seconds of imports in every mutant's process would both slow the run
+# and trip mutmut's CPU-time limit, so that a mutant would count as killed by a "timeout" its tests never reached.
+PRELOAD = """
+# Added by tools/mutation.py in its copy of the tree only: heavy imports done once, in mutmut's fork server.
+from openrlhf_lopti.openrlhf.cpu.stubs import install_cpu_stubs as _install_cpu_stubs
+
+_install_cpu_stubs()
+import deepspeed  # noqa: E402,F401
+import openrlhf.models  # noqa: E402,F401
+import openrlhf.trainer.ray.ppo_actor  # noqa: E402,F401
+"""
+PRELOADED = {"algo.policy_loss", "openrlhf.trainer"}
+
 
 def snapshot(tree: Path, out: Path) -> Path:
     """Copy the files a test run in ``tree`` sees (tracked and untracked-but-not-ignored files, and the built
@@ -87,6 +101,9 @@ def prepare(name: str, tree: Path, out: Path) -> Path:
     if work.exists():
         shutil.rmtree(work)
     shutil.copytree(tree, work)
+    if name in PRELOADED:
+        with open(work / "tests" / "conftest.py", "a") as conftest:
+            conftest.write(PRELOAD)
     also_copy = [p for p in ("csrc", "benchmarks", "examples", "pytest.ini", "setup.py") if (work / p).exists()]
     lines = [
         "[mutmut]",
@@ -97,6 +114,9 @@ def prepare(name: str, tree: Path, out: Path) -> Path:
         "also_copy =",
         *[f"    {p}" for p in also_copy],
         "process_isolation = forkserver",
+        # mutmut's CPU-time limit per mutant: (the tests' measured time + 5 s) x 15 x 2; the default 1 s is too
+        # tight for tests that build a DeepSpeed engine in each forked process
+        "timeout_constant = 5",
         "use_git_change_detection = false",
     ]
     (work / "setup.cfg").write_text("\n".join(lines) + "\n")
