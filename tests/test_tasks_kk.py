@@ -424,3 +424,148 @@ def test_data_script_public_source_respects_test_folder(tmp_path):
     # without a test file the pool is split
     splits = data.kk_splits([3], train_per_n=100, test_per_n=2, sources=[str(src / "train")])
     assert len(splits["test"][3]) == 2 and len(splits["train"][3]) == 4
+
+
+# --------------------------------------------------------------------------------------------------
+# From the mutation run (TESTING.md): messages in full, boundaries, and the text the generator writes
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ([(1, 0)], "not a K&K statement: (1, 0)"),
+        ([5], "not a K&K statement: 5"),
+        ([()], "not a K&K statement: ()"),
+        ([("lying", True), ("lying", 0)], "lying takes one person index: ('lying', True)"),
+        ([("lying", 0, 1), ("lying", 0)], "lying takes one person index: ('lying', 0, 1)"),
+        ([("telling-truth", 2), ("lying", 0)], "person index 2 out of range for 2 people"),
+        ([("not", ("lying", 0), ("lying", 0))], "'not' takes one operand: ('not', ('lying', 0), ('lying', 0))"),
+        ([("->", ("lying", 0))], "'->' takes two operands: ('->', ('lying', 0))"),
+        ([("and",)], "'and' needs operands: ('and',)"),
+        ([("knight", 0)], "unknown operator 'knight'"),
+        ([], "statements must be a non-empty sequence, one statement per person"),
+        ("((", "cannot parse statements string: '(' was never closed (<unknown>, line 1)"),
+        ([("lying", 0)] * (kk.MAX_PEOPLE + 1), f"{kk.MAX_PEOPLE + 1} people is more than the solver's limit of 20"),
+    ],
+)
+def test_parse_statements_messages(bad, message):
+    with pytest.raises(ValueError) as err:
+        kk.parse_statements(bad)
+    assert str(err.value) == message
+
+
+def test_twenty_people_is_the_limit_not_past_it():
+    assert len(kk.parse_statements([("lying", 0)] + [("telling-truth", 0)] * 19)) == 20
+    rec = kk.generate(20, 0)
+    assert rec["num_people"] == 20 and kk.solve(rec["statements"]) == [tuple(rec["solution"])]
+
+
+def test_generate_messages():
+    with pytest.raises(ValueError, match=r"^num_people must be in \[2, 20\], got 1$"):
+        kk.generate(1, 0)
+    with pytest.raises(RuntimeError, match="^no unique-solution puzzle found in 0 tries$"):
+        kk.generate(3, 0, max_tries=0)
+
+
+def test_generate_can_make_every_person_a_knight():
+    # the all-knights assignment is bit 0 of the solution mask: a unique solution there is accepted too
+    assert any(all(kk.generate(2, seed)["solution"]) for seed in range(40))
+
+
+def test_random_statements_follow_the_documented_mix():
+    # weights (leaf, not, and, or, ->, <=>) = (2, 1, 3, 3, 2, 2) / 13, written here; 13,000 draws, fixed seed
+    rng = random.Random(0)
+    draws = [kk._random_statement(4, rng) for _ in range(13_000)]
+    kind = ["leaf" if s[0] in ("telling-truth", "lying") else s[0] for s in draws]
+    for op, weight in zip(("leaf", "not", "and", "or", "->", "<=>"), (2, 1, 3, 3, 2, 2)):
+        assert abs(kind.count(op) / len(kind) - weight / 13) < 0.012, op
+    assert all(s[1] != s[2] for s in draws if s[0] in ("and", "or", "->", "<=>"))  # two different leaves
+
+
+class _FirstChoice:
+    def choice(self, seq):
+        return seq[0]
+
+
+def test_quiz_text_in_full():
+    statements = (("lying", 1), ("and", ("telling-truth", 0), ("lying", 2)), ("not", ("telling-truth", 1)))
+    text = kk._quiz_text(["Alice", "Bruno", "Clara"], statements, _FirstChoice())
+    assert text == (
+        "Every inhabitant of a remote island is either a knight or a knave: knights always tell the truth "
+        "and knaves always lie. You meet 3 inhabitants: Alice, Bruno, and Clara. "
+        'Alice says: "Bruno is a knave." '
+        'Bruno says: "Alice is a knight and Clara is a knave." '
+        'Clara says: "It is false that Bruno is a knight." '
+        "Which of them are knights and which are knaves?"
+    )
+
+
+def test_solution_text_in_full():
+    assert kk._solution_text(["Alice", "Bruno", "Clara"], [True, False, True]) == (
+        "Alice is a knight, Bruno is a knave, and Clara is a knight."
+    )
+    assert kk._solution_text(["Alice", "Bruno"], [False, True]) == "Alice is a knave and Bruno is a knight."
+
+
+def test_answer_block_edges():
+    assert kk.parse_answer("<answer>Alice is a knight</answer>", ["Alice"]) == [True]  # block at index 0
+    # a stray <answer> after the last </answer> does not start the block
+    assert kk.parse_answer("<answer>Alice is a knight</answer> <answer>", ["Alice"]) == [True]
+
+
+def test_parse_solution_text_skips_blank_lines():
+    assert kk.parse_solution_text("(1) Alice is a knight\n\n  \n(2) Bruno is a knave\n") == (
+        ["Alice", "Bruno"],
+        [True, False],
+    )
+
+
+def test_type_and_label_messages():
+    with pytest.raises(TypeError, match="^response must be str, got int$"):
+        kk.format_ok(5)
+    with pytest.raises(TypeError, match="^response must be str, got bytes$"):
+        kk.parse_answer(b"<answer></answer>", ["Alice"])
+    with pytest.raises(TypeError, match="^label must be str, got int$"):
+        kk.parse_solution_text(5)
+    with pytest.raises(ValueError, match="^empty K&K label$"):
+        kk.parse_solution_text("\n \n")
+    with pytest.raises(ValueError, match="^cannot read label line 'Alice knight'$"):
+        kk.parse_solution_text("Alice knight")
+
+
+def test_load_public_normalises_and_keeps_a_stored_label(tmp_path):
+    label = "(1) Ann is a knight\n(2) 7 is a knave\n"  # stored as given (trailing newline), not rebuilt
+    row = {"quiz": "q", "names": ["Ann", 7], "solution": [1, 0], "solution_text_format": label}
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    (rec,) = kk.load_public(path)
+    assert rec["names"] == ["Ann", "7"]
+    assert rec["solution"] == [True, False] and all(type(s) is bool for s in rec["solution"])
+    assert rec["solution_text_format"] == "(1) Ann is a knight\n(2) 7 is a knave\n"
+    assert rec["num_people"] == 2
+
+
+@pytest.mark.parametrize(
+    "row, verify, message",
+    [
+        (
+            {"quiz": "q", "names": ["A"]},
+            False,
+            "line 1: missing keys ['solution']; a public K&K row has quiz, names, solution, statements",
+        ),
+        ({"quiz": "q", "names": ["A", "B"], "solution": [True]}, False, "line 1: 2 names but 1 roles"),
+        ({"quiz": "q", "names": ["A"], "solution": [True]}, True, "line 1: cannot verify without statements"),
+        (
+            {"quiz": "q", "names": ["A"], "solution": [True], "statements": "(('lying', 0),)"},
+            True,
+            "line 1: statements have 0 solutions, not the stored one",
+        ),
+    ],
+)
+def test_load_public_messages(tmp_path, row, verify, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError) as err:
+        kk.load_public(path, verify=verify)
+    assert str(err.value) == f"{path} {message}"

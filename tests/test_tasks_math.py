@@ -154,3 +154,145 @@ def test_data_script_math(tmp_path):
     src.write_text(json.dumps({"problem": "no answer"}) + "\n")
     with pytest.raises(ValueError):
         data.main(["math", "--input", str(src), "--benchmark", "toy", "--out", str(out)])
+
+
+# ---- From the mutation run (TESTING.md): each case below was computed by hand from the module docstring's rules.
+
+EQUIVALENT_MORE = [
+    # nested tuples: items compared recursively, two levels below the top
+    ("((1,2),(3,4))", "((1,2),(3,4.0))"),
+    ("(((1,2),3),4)", "(((1,2),3),4.0)"),
+    ("((1,2),3)", "((1.0,2),3)"),
+    ("\\{(1,2),(3,4)\\}", "\\{(3,4.0),(1,2)\\}"),  # a set of tuples, any order
+    ("(1.0,2)", "(1,2)"),  # tuples and intervals item by item, not as strings
+    ("[1.0,2]", "[1,2]"),
+    ("[0.5,2)", "[\\frac12,2)"),
+    ("(X, 1.0)", "(X,1)"),
+    ("\\{5\\}", "\\{5.0\\}"),  # a one-element set is still a set
+    ("\\frac1{x}", "1/x"),  # \frac1{x} -> \frac{1}{x}
+    ("\\frac{x}2", "0.5x"),  # \frac{x}2 -> \frac{x}{2}; a decimal inside an expression
+    ("0.5x", "\\frac{x}{2}"),
+    ("2\\sqrt A", "\\sqrt{4A}"),  # \sqrt A -> \sqrt{A}, upper case too
+    ("xy", "x\\cdot y"),  # "xy" is a product once one side is not a word
+    ("AB", "A\\cdot B"),
+    ("x\\sqrt{4}", "2x"),  # a letter run "xsqrt" is x times sqrt
+    ("\\sqrt{4}", "2"),
+    ("\\sin(y)^{2}+\\cos(y)^{2}+x", "1+x"),  # a symbol on one side only (y) still gets sample values
+    ("a+b+c+d+f+g", "g+f+d+c+b+a"),  # six symbols: the most compared
+    ("\u22125", "-5"),  # unicode minus
+    ("x.", "x"),  # a sentence's full stop
+    (".5", "0.5"),
+    ("0" * 1999 + "1", "1"),  # 2000 characters: still normalised and compared as a number
+    ("$" + "0" * 1997 + "1$", "1"),  # 2000 characters with the $: still normalised
+    ("\\frac{x}{100}+0.0000000005", "\\frac{x}{100}"),  # |difference| 5e-10 < 1e-9 (absolute below 1)
+    ("1000000000x+0.1", "1000000000x"),  # relative difference ~5e-11 < 1e-9 at values ~2e9
+    # a pole at the first sample point (x = 13/7) is skipped; the other points decide
+    ("\\frac{1}{7x-13}", "\\frac{2}{14x-26}"),
+]
+
+DIFFERENT_MORE = [
+    ("(((1.0,2),3),4)", "(((1,2),3),4)"),  # three levels of nesting: past the recursion limit, strings only
+    ("\\{((1.0,2),3),4\\}", "\\{((1,2),3),4\\}"),
+    ("\\{1,2\\}", "\\{1,3\\}"),
+    ("(1,2)", "(1,2,3)"),  # different lengths
+    ("1,2", "1,2,3"),
+    ("(" + ",".join(["1"] * 21) + ")", "(" + ",".join(["1.0"] * 21) + ")"),  # over 20 items: strings only
+    ("0.3333333333333", "\\frac13"),  # numbers are compared exactly, not to sympy's tolerance
+    ("0.3333333333333", "1/3"),
+    ("12345678901234567890", "12345678901234567891"),
+    ("a+b+c+d+f+g+h", "h+g+f+d+c+b+a"),  # seven symbols: not compared
+    ("2X", "2"),
+    ("1", "\\frac{0}{0}"),  # NaN at every point: cannot tell, so not equivalent
+    ("1", "10^{999}"),  # inf at every point
+    ("\\frac{x}{100}+0.0000000015", "\\frac{x}{100}"),  # 1.5e-9 > 1e-9 (absolute below 1)
+    ("1000000000x+10", "1000000000x"),  # relative ~5e-9 > 1e-9
+    ("0" * 2000 + "1", "1"),  # over 2000 characters: compared as strings only
+    ("\\sqrt({4})", "2"),  # an unbraced command argument is not guessed
+]
+
+
+@pytest.mark.parametrize("pred, truth", EQUIVALENT_MORE)
+def test_equivalent_more(pred, truth):
+    assert m.is_equiv(pred, truth) and m.is_equiv(truth, pred)
+
+
+@pytest.mark.parametrize("pred, truth", DIFFERENT_MORE)
+def test_different_more(pred, truth):
+    assert not m.is_equiv(pred, truth) and not m.is_equiv(truth, pred)
+
+
+def test_twenty_items_are_compared_item_by_item():
+    assert m.is_equiv("(" + ",".join(["1"] * 20) + ")", "(" + ",".join(["1.0"] * 20) + ")")
+
+
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        ("5.", "5"),
+        ("\\frac{1}{2}.", "\\frac{1}{2}"),
+        ("\\frac1{x}", "\\frac{1}{x}"),
+        ("\\frac{x}2", "\\frac{x}{2}"),
+        ("x = y = 5", "x=y=5"),  # two '=': not a "var = value" answer
+        ("1 + x", "1+x"),
+        ("\\fbox{7}", "7"),
+        (".5", "0.5"),
+        ("x+.5", "x+0.5"),
+        ("(C)", "C"),
+        ("(c)", "c"),
+        ("(F)", "(F)"),  # choices are A-E
+        ("x =\n5", "5"),
+        ("5\\\ncm", "5"),  # LaTeX control space at a line break, then a unit
+        ("\\[5\\]", "5"),
+        ("\\(5\\)", "5"),
+        ("$5$", "5"),
+        ("$X$", "X"),
+        ("5\\quad\\text{cm}", "5"),  # \quad is a space (then a unit)
+        ("5\\qquad\\text{cm}", "5"),
+        ("5\\ cm", "5"),
+        ("10^{\\circ}", "10"),
+        ("10^\\circ", "10"),
+        ("10\\circ", "10"),
+        ("10\u00b0", "10"),
+        ("50%", "50"),
+        ("50\\%", "50"),
+        ("a b" * 700, "ab" * 700),  # over 2000 characters: whitespace removed, nothing else
+    ],
+)
+def test_normalize(answer, expected):
+    assert m.normalize(answer) == expected
+
+
+def test_replace_command_needs_braced_arguments():
+    assert m._replace_command("\\frac{1}{2}+\\frac{3}{4}", "\\frac", 2, "(({})/({}))") == "((1)/(2))+((3)/(4))"
+    assert m._replace_command("\\sqrt({4})", "\\sqrt", 1, "sqrt({})") is None
+    assert m._replace_command("\\frac{1}", "\\frac", 2, "(({})/({}))") is None  # second argument missing at the end
+    assert m._replace_command("2\\sqrt", "\\sqrt", 1, "sqrt({})") is None
+
+
+def test_sympy_text_limits():
+    assert m._sympy_text("10" + "+x" * 74) is not None  # 150 characters: the most accepted
+    assert m._sympy_text("10" + "+x" * 75) is None
+    assert m._sympy_text("1" * 20) is not None
+    assert m._sympy_text("1" * 21) is None  # a 21-digit number
+    assert m._sympy_text("x^x^x") is None  # chained powers, also with letters
+    assert m._sympy_text("2^x^2") is None
+
+
+def test_last_boxed_edges():
+    assert m.last_boxed("the answer is \\boxed") is None
+    assert m.last_boxed("\\boxed ") is None
+    assert m.last_boxed("\\boxed $") is None
+    assert m.last_boxed("\\boxed " + "1" * 300) == "1" * 199  # the brace-less form reads a 200-character window
+    with pytest.raises(TypeError, match="^text must be str, got int$"):
+        m.last_boxed(5)
+
+
+def test_is_equiv_type_errors():
+    for pred, truth in (("1", 1), (1, "1")):
+        with pytest.raises(TypeError, match="^answers must be str$"):
+            m.is_equiv(pred, truth)
+
+
+def test_prompt_text_carries_the_problem():
+    text = m.prompt_text("What is 1+1?")
+    assert text.count("What is 1+1?") == 1 and m.SYSTEM_PROMPT in text
