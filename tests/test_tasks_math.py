@@ -249,6 +249,12 @@ def test_twenty_items_are_compared_item_by_item():
         ("5\\quad\\text{cm}", "5"),  # \quad is a space (then a unit)
         ("5\\qquad\\text{cm}", "5"),
         ("5\\ cm", "5"),
+        ("5\\,\\text{cm}", "5"),  # thin, medium and thick spaces are spaces too (then a unit)
+        ("5\\;\\text{cm}", "5"),
+        ("5\\:cm", "5"),
+        ("1\\,000", "1000"),  # a thin space as thousands separator
+        ("1\\!000", "1000"),  # a negative space is removed
+        ("\\left(1,2\\right)", "(1,2)"),
         ("10^{\\circ}", "10"),
         ("10^\\circ", "10"),
         ("10\\circ", "10"),

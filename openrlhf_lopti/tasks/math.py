@@ -77,6 +77,7 @@ def last_boxed(text: str) -> str | None:
 # --------------------------------------------------------------------------------------------------
 
 _DROP = ("\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\\quad", "\\qquad", "\\ ")
+_SPACES = ("\\,", "\\;", "\\:", "\\quad", "\\qquad", "\\ ")  # of _DROP, those that stand for a space
 _TEXT_CMDS = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}")
 _UNIT_SUFFIX = re.compile(
     r"([-+]?[\d.,]+(?:/\d+)?)\s+(?!(?:pi|sqrt|and|or|i)\b)[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*\.?"
@@ -96,7 +97,7 @@ def normalize(answer: str) -> str:
         s = s.replace(a, b)
     s = s.strip().strip("$").strip()
     for token in _DROP:
-        s = s.replace(token, " " if token in ("\\quad", "\\qquad", "\\ ") else "")
+        s = s.replace(token, " " if token in _SPACES else "")
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
     s = _TEXT_CMDS.sub(r"\1", s)
     for token in ("^\\circ", "^{\\circ}", "\\circ", "°", "\\%", "%", "\\$"):
