@@ -8,6 +8,7 @@ skip, when it is not.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,6 +23,7 @@ from openrlhf_lopti.ops import cpp_policy_loss as cpp_module
 from openrlhf_lopti.ops.cpp_policy_loss import cpp_available, cpp_isa
 
 from .kernel_cases import CASES, EXTREME_CASES, Case, check_backend_matches_reference, make_inputs, options
+from .kernel_cases import textbook_policy_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -316,3 +318,220 @@ def test_fallback_without_extension_uses_torch():
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fallback ok" in proc.stdout
+
+
+_JIT_SCRIPT = """
+import glob, json, logging, os, sys, time, warnings
+sys.modules["openrlhf_lopti._C"] = None  # the built extension "missing": `import openrlhf_lopti._C` raises
+import torch
+logged = []
+handler = logging.Handler(logging.INFO)
+handler.emit = lambda record: logged.append(record.getMessage())
+logging.getLogger("openrlhf_lopti").addHandler(handler)
+logging.getLogger("openrlhf_lopti").setLevel(logging.INFO)
+from openrlhf_lopti.ops import fused_policy_loss
+from openrlhf_lopti.ops.cpp_policy_loss import cpp_available
+from tests.kernel_cases import Case, make_inputs, options, textbook_policy_loss
+case = Case(n=24, v=300, alpha=0.3, kl="k3", dual_clip=3.0, entropy=True, temperature=0.8, seed=31)
+d = make_inputs(case)
+opts = options(case)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    start = time.perf_counter()
+    available = cpp_available()
+    seconds = time.perf_counter() - start
+    logits = d["logits"].clone().requires_grad_(True)
+    out = fused_policy_loss(logits, **{k: v for k, v in d.items() if k != "logits"}, **opts, backend="cpp")
+    (out.loss.sum() + out.entropy.sum()).backward()
+want_logits = d["logits"].double().requires_grad_(True)
+want = textbook_policy_loss(d, opts, want_logits)
+(want["loss"].sum() + want["entropy"].sum()).backward()
+errors = {name: (getattr(out, name).double() - want[name].detach()).abs().max().item()
+          for name in ("loss", "logp", "kl", "entropy")}
+errors["grad"] = (logits.grad.double() - want_logits.grad).abs().max().item()
+print(json.dumps({
+    "available": available,
+    "seconds": seconds,
+    "warnings": [str(w.message) for w in caught if "openrlhf_lopti" in str(w.message)],
+    "errors": errors,
+    "clipped_equal": torch.equal(out.clipped, want["clipped"]),
+    "path": os.environ["PATH"],
+    "log": logged,
+    "libraries": sorted(os.path.relpath(p, os.environ["JIT_ROOT"])
+                        for p in glob.glob(os.path.join(os.environ["JIT_ROOT"], "**", "*.so"), recursive=True)),
+}))
+"""
+
+
+def _path_without_ninja(tmp_path) -> str:
+    """A PATH of one folder linking every program on this PATH except ``ninja``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isdir(folder):
+            continue
+        for name in os.listdir(folder):
+            target = os.path.join(folder, name)
+            if name != "ninja" and not (bin_dir / name).exists() and os.access(target, os.X_OK):
+                (bin_dir / name).symlink_to(target)
+    return str(bin_dir)
+
+
+@pytest.mark.parametrize("where", ["TORCH_EXTENSIONS_DIR", "default"])
+def test_jit_build_from_csrc_when_extension_is_missing(tmp_path, where):
+    # The README's fallback: without the built `openrlhf_lopti._C`, the first cpp_available() compiles csrc/*.cpp
+    # with torch.utils.cpp_extension, the op runs and gives the textbook loss (values and gradients), and no
+    # "unavailable" warning is emitted. The build goes to $TORCH_EXTENSIONS_DIR when set, else to
+    # ~/.cache/openrlhf_lopti/, in a folder named after the Python and torch versions. With a ninja on PATH,
+    # PATH is left alone; without one (the "default" case here), the pip `ninja` package's folder is put in
+    # front of PATH. A real compile each time: about 10 s here (TESTING.md).
+    ninja = pytest.importorskip("ninja")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OPENRLHF_LOPTI_NO_JIT", "OPENRLHF_LOPTI_CPU_ISA", "TORCH_EXTENSIONS_DIR")}  # fmt: skip
+    env["MAX_JOBS"] = "2"
+    if where == "TORCH_EXTENSIONS_DIR":
+        env["TORCH_EXTENSIONS_DIR"] = env["JIT_ROOT"] = str(tmp_path)
+        assert shutil.which("ninja", path=env.get("PATH")) is not None, "this case needs a ninja on PATH"
+    else:
+        env["HOME"] = str(tmp_path)
+        env["JIT_ROOT"] = str(tmp_path / ".cache" / "openrlhf_lopti")
+        env["PATH"] = _path_without_ninja(tmp_path)
+    runs = []
+    for _ in range(2 if where == "default" else 1):  # the default folder is made once and then reused
+        proc = subprocess.run([sys.executable, "-c", _JIT_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=900)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert len(proc.stdout.strip().splitlines()) == 1, proc.stdout[-3000:]  # a quiet build: no compiler log
+        got = json.loads(proc.stdout)
+        library = os.path.join(env["JIT_ROOT"], got["libraries"][0]) if len(got["libraries"]) == 1 else None
+        runs.append((got, library and os.stat(library).st_mtime_ns))
+    for got, _ in runs:
+        assert got["available"] is True, got
+        assert got["warnings"] == [], got["warnings"]
+        csrc = os.path.realpath(os.path.join(REPO, "csrc"))
+        assert got["log"] == [f"openrlhf_lopti: JIT-building the C++ policy-loss kernel from {csrc} (first use only)"]
+        assert len(got["libraries"]) == 1, got["libraries"]
+        library = got["libraries"][0]
+        assert os.path.basename(library) == "openrlhf_lopti_cpu_kernels.so", library
+        if where == "default":
+            py = f"py{sys.version_info.major}{sys.version_info.minor}"
+            assert library.startswith("torch_extensions/") and py in library, library
+            assert torch.__version__.split("+")[0] in library, library
+            assert got["path"] == ninja.BIN_DIR + os.pathsep + env["PATH"], got["path"]
+        else:
+            assert got["path"] == env["PATH"], got["path"]
+        assert got["clipped_equal"] is True
+        for name, err in got["errors"].items():
+            assert err < (1e-4 if name == "grad" else 1e-5), (name, err)
+    if where == "default":
+        assert runs[1][1] == runs[0][1], "the second process rebuilt the cached library"
+    # Built with setup.py's flags (-O3 -Wno-psabi -fopenmp, and -fopenmp to link; no OpenMP flags on macOS).
+    with open(os.path.join(env["JIT_ROOT"], os.path.dirname(library), "build.ninja")) as f:
+        flags = dict(line.split(" = ", 1) for line in f.read().splitlines() if line.startswith(("cflags", "ldflags")))
+    openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
+    assert all(flag in flags["cflags"].split() for flag in ["-O3", "-Wno-psabi"] + openmp), flags["cflags"]
+    assert all(flag in flags["ldflags"].split() for flag in openmp), flags["ldflags"]
+
+
+def test_jit_fallback_without_csrc_says_why(tmp_path):
+    # An install without csrc/ (and without `_C`): a copy of the package alone. No build is tried,
+    # cpp_available() is False, and the one warning names the missing sources.
+    package = tmp_path / "site" / "openrlhf_lopti"
+    shutil.copytree(os.path.join(REPO, "openrlhf_lopti"), package,
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))  # fmt: skip
+    script = textwrap.dedent(
+        """
+        import json, sys, warnings
+        sys.modules["openrlhf_lopti._C"] = None  # (an editable install would find the checkout's `_C`)
+        import openrlhf_lopti
+        from openrlhf_lopti.ops.cpp_policy_loss import cpp_available
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            available = cpp_available()
+        print(json.dumps({"package": openrlhf_lopti.__file__, "available": available,
+                          "warnings": [str(w.message) for w in caught if "openrlhf_lopti" in str(w.message)]}))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENRLHF_LOPTI_NO_JIT", "PYTHONPATH")}
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path / "site", env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["package"] == str(package / "__init__.py"), got  # the copy, not the checkout
+    assert got["available"] is False
+    csrc = tmp_path / "site" / "csrc"
+    assert got["warnings"] == [
+        "openrlhf_lopti: C++ policy-loss kernel unavailable, using the torch backend (openrlhf_lopti._C: "
+        f"import of openrlhf_lopti._C halted; None in sys.modules; JIT build failed: no C++ sources in {csrc} "
+        "(an install without csrc/))"
+    ], got["warnings"]
+    assert not (tmp_path / "ext").exists()
+
+
+_LOAD_SCRIPT = """
+import json, sys, warnings
+import torch.utils.cpp_extension
+builds = []
+def no_build(*args, **kwargs):  # a JIT build is never needed here: record it instead of compiling
+    builds.append(kwargs.get("name"))
+    raise RuntimeError("JIT build attempted")
+torch.utils.cpp_extension.load = no_build
+from openrlhf_lopti.ops.cpp_policy_loss import cpp_available
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    available = cpp_available()
+print(json.dumps({"available": available, "builds": builds,
+                  "warnings": [str(w.message) for w in caught if "openrlhf_lopti" in str(w.message)]}))
+"""
+
+
+@pytest.mark.parametrize("no_jit", [None, "1"])
+def test_built_extension_is_used_without_a_jit_build(no_jit):
+    # With `openrlhf_lopti._C` importable, cpp_available() is True at once: no JIT build is attempted (it would
+    # recompile csrc/ on every first use), with or without OPENRLHF_LOPTI_NO_JIT, and nothing is warned.
+    env = {k: v for k, v in os.environ.items() if k != "OPENRLHF_LOPTI_NO_JIT"}
+    if no_jit is not None:
+        env["OPENRLHF_LOPTI_NO_JIT"] = no_jit
+    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"available": True, "builds": [], "warnings": []}, got
+
+
+def test_cpp_policy_loss_defaults_are_the_textbook_loss():
+    # cpp_policy_loss called directly with no options: alpha 0 (no AR), eps 0.2 / 0.2, no dual clip, no KL,
+    # T = 1, no entropy. Checked against the loss written out in the test with those values.
+    d = make_inputs(Case(n=32, v=80, old_spread=1.0, seed=41))
+    logits = d["logits"].clone().requires_grad_(True)
+    out, bad_rows = cpp_module.cpp_policy_loss(logits, d["labels"], d["old_log_probs"], d["advantages"], d["mask"])
+    assert out.entropy is None and not bad_rows.any()
+    opts = dict(alpha=0.0, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3",
+                temperature=1.0)  # fmt: skip
+    want_logits = d["logits"].double().requires_grad_(True)
+    want = textbook_policy_loss(dict(d, ref_log_probs=None), opts, want_logits)
+    assert want["clipped"].any() and (d["advantages"][d["mask"]] < 0).any()  # clipping and A < 0 both occur
+    out.loss.sum().backward()
+    want["loss"].sum().backward()
+    for name in ("loss", "logp", "kl"):
+        torch.testing.assert_close(getattr(out, name).double(), want[name].detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.clipped, want["clipped"])
+    torch.testing.assert_close(logits.grad.double(), want_logits.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_backward_hands_the_kernel_none_for_unused_outputs(monkeypatch):
+    # set_materialize_grads(False): an output not used in the loss reaches the kernel as None (it then skips
+    # that term) rather than as a tensor of zeros.
+    seen = []
+    real = torch.ops.openrlhf_lopti.policy_loss_bwd
+
+    def spy(logits, labels, mask, stats, grad_loss, grad_logp, grad_entropy, temperature):
+        seen.append((grad_loss is None, grad_logp is None, grad_entropy is None))
+        return real(logits, labels, mask, stats, grad_loss, grad_logp, grad_entropy, temperature)
+
+    monkeypatch.setattr(torch.ops.openrlhf_lopti, "policy_loss_bwd", spy)
+    d = make_inputs(Case(n=8, v=40, seed=42))
+    for output in ("loss", "logp", "entropy"):
+        _, out = _call(d, "cpp", return_entropy=True)
+        getattr(out, output).sum().backward()
+    assert seen == [(False, True, True), (True, False, True), (True, True, False)], seen
