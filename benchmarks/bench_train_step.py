@@ -511,11 +511,14 @@ def _fmt(stat: dict, digits: int = 2) -> str:
 
 
 def markdown_table(report: dict) -> str:
-    """One row per (trainer, loss path, method): medians (min-max) of the stage times and the rest."""
+    """One row per (trainer, loss path, method): medians (min-max) of the stage times and the rest. The stage columns
+    (generation, experience, train, broadcast: OpenRLHF's weight sync to the rollout engine, n/a for the local
+    trainer) add up to the step's."""
     lines = [
-        "| trainer | loss path | method | generation s | experience s | train s | train low / high s | step s "
-        "| train CPU s | train tok/s | opt. steps | peak MiB | low tokens | Lopti factor: train (CPU) | step (CPU) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| trainer | loss path | method | generation s | experience s | train s | train low / high s | broadcast s "
+        "| step s | train CPU s | train tok/s | opt. steps | peak MiB | low tokens | Lopti factor: train (CPU) "
+        "| step (CPU) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for trainer, methods in report["results"].items():
         paths = list(dict.fromkeys(p for m in methods.values() for p in m))
@@ -531,7 +534,8 @@ def markdown_table(report: dict) -> str:
                            for kind in ("train", "step")]  # fmt: skip
                 lines.append(
                     f"| {trainer} | {path} | {method} | {_fmt(s['generation_s'])} | {_fmt(s['experience_s'])} "
-                    f"| {_fmt(s['train_s'])} | {phases} | {_fmt(s['step_s'])} | {_fmt(s['train_cpu_s'])} "
+                    f"| {_fmt(s['train_s'])} | {phases} | {_fmt(s['broadcast_s'])} | {_fmt(s['step_s'])} "
+                    f"| {_fmt(s['train_cpu_s'])} "
                     f"| {_fmt(s['train_tokens_per_s'], 0)} | {_fmt(s['optimizer_steps'], 0)} "
                     f"| {_fmt(s['peak_memory_mib'], 0)} | {_fmt(s['low_token_fraction'])} | {factors[0]} | {factors[1]} |"
                 )

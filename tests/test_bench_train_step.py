@@ -177,3 +177,18 @@ def test_registered_as_openrlhf_lopti_bench_step(capsys):
 
     assert main(["bench-step", "--loss-paths", "fused"]) == 2
     assert "argument --loss-paths: 'fused': give a comma-separated subset of" in capsys.readouterr().err
+
+
+def test_table_shows_every_stage_the_step_sums():
+    """The markdown table's stage columns add up to its step column: OpenRLHF's weight broadcast is a stage of the
+    step (``step_s`` counts it), so the table shows it too (it was left out)."""
+    args = SimpleNamespace(openrlhf_warmup=1, openrlhf_steps=2, prompts=8, n_samples=4, mini_batch_size=16)
+    records = bench.openrlhf_records(args, fake_scalars(3, 0.25, True), "lopti", "eager", 0, None)
+    records += bench.openrlhf_records(args, fake_scalars(3, 0.25, False), "grpo", "eager", 0, None)
+    table = bench.markdown_table({"results": bench.summarize(records), "lopti_factor": bench.lopti_factors(records)})
+    header, _, *rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.splitlines()]
+    assert len(rows) == 2 and all(len(row) == len(header) for row in rows)
+    for row in rows:
+        cell = dict(zip(header, row))
+        stages = [float(cell[f"{stage} s"].split()[0]) for stage in ("generation", "experience", "train", "broadcast")]
+        assert sum(stages) == pytest.approx(float(cell["step s"].split()[0]))
