@@ -4,6 +4,8 @@ per-token gradients on loss, logp and entropy at once; chunking, masking, tied w
 memory (no [N, V] tensor), and the input checks."""
 
 import importlib
+import re
+import warnings
 
 import pytest
 import torch
@@ -12,6 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import openrlhf_lopti.ops.cpp_policy_loss as cpp_module
 from openrlhf_lopti.algo import policy_loss_from_logits, token_logprobs
 from openrlhf_lopti.ops import fused_linear_policy_loss, linear_log_probs
+from openrlhf_lopti.ops.fused_linear_policy_loss import default_chunk_size
+
+from .kernel_cases import textbook_policy_loss
 
 linear_module = importlib.import_module("openrlhf_lopti.ops.fused_linear_policy_loss")
 
@@ -357,14 +362,26 @@ def _good(**overrides) -> dict:
     return args
 
 
+def _full(message: str) -> str:
+    """A pattern matching exactly ``message``."""
+    return "^" + re.escape(message) + "$"
+
+
 BAD = [
-    (dict(hidden=torch.randn(N)), "hidden must be a \\[N, H\\] tensor"),
+    (dict(hidden=torch.randn(N)), _full("hidden must be a [N, H] tensor, got shape torch.Size([5])")),
+    (dict(hidden=[[0.0] * H] * N), _full("hidden must be a [N, H] tensor, got shape <class 'list'>")),
+    (dict(weight=torch.randn(V)),
+     _full("weight must be the lm_head's [V, H] = [V, 4] tensor, got shape torch.Size([7])")),
+    (dict(weight=[[0.0] * H] * V),
+     _full("weight must be the lm_head's [V, H] = [V, 4] tensor, got shape <class 'list'>")),
     (dict(hidden=torch.randn(N, H, dtype=torch.float64)), "hidden must be float32"),
     (dict(weight=torch.randn(V, H + 1)), "weight must be the lm_head's \\[V, H\\]"),
-    (dict(weight=torch.randn(0, H)), "weight must have a non-empty vocab"),
+    (dict(weight=torch.randn(0, H)), _full("weight must have a non-empty vocab dimension V")),
     (dict(weight=torch.randn(V, H, dtype=torch.bfloat16)), "weight must have hidden's dtype and device"),
-    (dict(bias=torch.randn(V + 1)), "bias must be None or a \\[V\\]"),
-    (dict(bias=torch.randn(V, dtype=torch.float16)), "bias must have hidden's dtype"),
+    (dict(bias=torch.randn(V + 1)), _full("bias must be None or a [V] = [7] tensor, got torch.Size([8])")),
+    (dict(bias=[0.5] * V), _full("bias must be None or a [V] = [7] tensor, got [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]")),
+    (dict(bias=torch.randn(V, dtype=torch.float16)),
+     _full("bias must have hidden's dtype and device, got torch.float16 on cpu")),
     (dict(chunk_size=0), "chunk_size must be None or an integer >= 1"),
     (dict(chunk_size=2.0), "chunk_size must be None or an integer >= 1"),
     (dict(backend="gpu"), "backend must be one of"),
@@ -377,6 +394,7 @@ BAD = [
     (dict(kl_coef=0.1), "ref_log_probs is required when kl_coef != 0"),
     (dict(temperature=0.0), "temperature must be a finite number > 0"),
     (dict(alpha=2.0), "alpha"),
+    (dict(dual_clip=0.5), "dual_clip must be None or a finite number > 1, got 0.5"),
 ]  # fmt: skip
 
 
@@ -390,7 +408,7 @@ def test_bad_input_is_a_value_error_before_any_matmul(monkeypatch, overrides, me
     positional = [args.pop(k) for k in ("hidden", "weight", "labels", "old_log_probs", "advantages", "mask")]
     with pytest.raises(ValueError, match=message):
         fused_linear_policy_loss(*positional, **args)
-    if not {"old_log_probs", "advantages", "kl_coef", "alpha"} & set(overrides):  # linear_log_probs has none
+    if not {"old_log_probs", "advantages", "kl_coef", "alpha", "dual_clip"} & set(overrides):  # not in linear_log_probs
         hidden, weight, labels, _, _, mask = positional
         with pytest.raises(ValueError, match=message):
             linear_log_probs(hidden, weight, labels, mask=mask, **args)
@@ -409,3 +427,180 @@ def test_a_non_finite_logits_row_is_named_by_its_global_index(backend):
         linear_log_probs(inputs["hidden"], inputs["weight"], inputs["labels"], chunk_size=5, backend=backend)
     inputs["mask"][13] = False  # the same row masked: never multiplied, no error
     fused(inputs["hidden"], inputs["weight"], inputs["bias"], rest, chunk_size=5, backend=backend, **OPTIONS)
+
+
+def test_default_chunk_size_by_hand():
+    # 256 MiB = 268435456 bytes of [chunk, V] buffers. At V = 151936: fp32 rows 607744 bytes -> 441 rows for one
+    # buffer, 220 for two; bf16 / fp16 rows 303872 bytes -> 883 and 441. A vocab whose one row is over the
+    # budget still gets chunks of 1 row.
+    assert default_chunk_size(151936, torch.float32) == 441
+    assert default_chunk_size(151936, torch.float32, buffers=2) == 220
+    assert default_chunk_size(151936, torch.bfloat16) == 883
+    assert default_chunk_size(151936, torch.float16, buffers=2) == 441
+    assert default_chunk_size(2**27, torch.float32) == 1  # 2 GiB per row (budget // row = 0)
+    assert default_chunk_size(2**26, torch.bfloat16, buffers=2) == 1
+
+
+def test_linear_log_probs_default_chunk_is_one_buffer_in_the_models_dtype(monkeypatch):
+    inputs = make_inputs(dtype=torch.bfloat16, masked_fraction=0.0)  # V = 50 bf16: 100 bytes per row of logits
+    monkeypatch.setattr(linear_module, "DEFAULT_CHUNK_BYTES", 8 * 100 + 99)  # 8 rows (fp32 rows would give 4)
+    recorder = _Recorder(linear_module._chunk_logits)
+    monkeypatch.setattr(linear_module, "_chunk_logits", recorder)
+    linear_log_probs(inputs["hidden"], inputs["weight"], inputs["labels"], backend="torch")
+    assert recorder.rows == [8, 8, 8, 8, 5]  # N = 37
+
+
+def test_defaults_are_the_textbook_loss():
+    # fused_linear_policy_loss with no options: alpha 0 (no AR), eps 0.2 / 0.2, no dual clip, no KL, T = 1, no
+    # entropy; checked against the loss written out in tests/kernel_cases.py with those values, on logits made
+    # in float64 by the test.
+    inputs = make_inputs(seed=19)
+    with torch.no_grad():  # old log-probs near the current ones at T = 1 (make_inputs's are at T = 0.7)
+        logp, _ = token_logprobs(torch.addmm(inputs["bias"], inputs["hidden"], inputs["weight"].t()), inputs["labels"])
+    inputs["old_log_probs"] = logp + 0.3 * torch.randn(37, generator=torch.Generator().manual_seed(19))
+    hidden, weight, bias = (inputs[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias"))
+    out = fused_linear_policy_loss(hidden, weight, inputs["labels"], inputs["old_log_probs"], inputs["advantages"],
+                                   inputs["mask"], bias=bias, backend="torch")  # fmt: skip
+    assert out.entropy is None and not out.kl.requires_grad and not out.clipped.requires_grad
+    out.loss.sum().backward()
+    leaves = [inputs[k].double().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    logits = torch.addmm(leaves[2], leaves[0], leaves[1].t())
+    opts = dict(alpha=0.0, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", temperature=1.0)
+    want = textbook_policy_loss(dict(inputs, ref_log_probs=None), opts, logits)
+    ratio = (want["logp"] - inputs["old_log_probs"].double()).exp()
+    keep, adv = inputs["mask"], inputs["advantages"]
+    assert (keep & (ratio > 1.2) & (adv > 0)).any() and (keep & (ratio < 0.8) & (adv < 0)).any()  # both clips bind
+    want["loss"].sum().backward()
+    for name in ("loss", "logp", "kl"):
+        torch.testing.assert_close(getattr(out, name).double(), want[name].detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.clipped, want["clipped"])
+    for mine, ref in zip((hidden, weight, bias), leaves):
+        torch.testing.assert_close(mine.grad.double(), ref.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_linear_log_probs_returns_no_entropy_by_default():
+    inputs = make_inputs(seed=20)
+    logp, entropy = linear_log_probs(inputs["hidden"], inputs["weight"], inputs["labels"], backend="torch")
+    assert entropy is None and logp.shape == (37,)
+
+
+def test_kl_and_clipped_are_not_differentiable():
+    # As fused_policy_loss: kl and clipped come detached (a loss built on kl would otherwise get a silent zero
+    # gradient: the backward ignores kl's incoming gradient).
+    inputs = make_inputs(seed=21)
+    hidden = inputs["hidden"].clone().requires_grad_(True)
+    rest = {k: v for k, v in inputs.items() if k not in ("hidden", "weight", "bias")}
+    out = fused(hidden, inputs["weight"], inputs["bias"], rest, chunk_size=8, backend="torch", **OPTIONS)
+    assert out.loss.requires_grad and out.logp.requires_grad and out.entropy.requires_grad
+    assert not out.kl.requires_grad and out.kl.grad_fn is None
+    assert not out.clipped.requires_grad
+
+
+def test_every_option_reaches_the_kernel():
+    # Every option away from its default (eps_low 0.1, k2, ...), against the textbook loss on float64 logits.
+    inputs = make_inputs(seed=23)
+    with torch.no_grad():  # old log-probs near the current ones with the bias (make_inputs's have none)
+        logp, _ = token_logprobs(torch.addmm(inputs["bias"], inputs["hidden"], inputs["weight"].t()), inputs["labels"],
+                                 0.7)  # fmt: skip
+    inputs["old_log_probs"] = logp + 0.3 * torch.randn(37, generator=torch.Generator().manual_seed(23))
+    opts = dict(alpha=0.3, eps_low=0.1, eps_high=0.3, dual_clip=2.0, kl_coef=0.1, kl_estimator="k2", temperature=0.7)
+    hidden, weight, bias = (inputs[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias"))
+    rest = {k: v for k, v in inputs.items() if k not in ("hidden", "weight", "bias")}
+    out = fused(hidden, weight, bias, rest, chunk_size=6, backend="torch", return_entropy=True, **opts)
+    (out.loss.sum() + 0.5 * out.entropy.sum()).backward()
+    leaves = [inputs[k].double().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    want = textbook_policy_loss(inputs, opts, torch.addmm(leaves[2], leaves[0], leaves[1].t()))
+    ratio = (want["logp"] - inputs["old_log_probs"].double()).exp()
+    keep, adv = inputs["mask"], inputs["advantages"]
+    assert (keep & (ratio < 0.9) & (ratio > 0.8) & (adv < 0)).any()  # eps_low 0.1 binds where 0.2 would not
+    (want["loss"].sum() + 0.5 * want["entropy"].sum()).backward()
+    for name in ("loss", "logp", "kl", "entropy"):
+        torch.testing.assert_close(getattr(out, name).double(), want[name].detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.clipped, want["clipped"])
+    for mine, ref in zip((hidden, weight, bias), leaves):
+        torch.testing.assert_close(mine.grad.double(), ref.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_chunk_logits_are_written_into_one_reused_buffer(monkeypatch, bias):
+    # The [chunk, V] logits go into one buffer made per pass (no fresh allocation per chunk), with no resize.
+    seen = []
+    real = linear_module._chunk_logits
+
+    def spy(hidden_rows, weight, bias, out):
+        result = real(hidden_rows, weight, bias, out)
+        seen.append((out.untyped_storage().data_ptr(), result.data_ptr() == out.data_ptr(), tuple(result.shape)))
+        return result
+
+    monkeypatch.setattr(linear_module, "_chunk_logits", spy)
+    inputs = make_inputs(seed=24, bias=bias, masked_fraction=0.0)
+    rest = {k: v for k, v in inputs.items() if k not in ("hidden", "weight", "bias")}
+    leaves = {k: inputs[k].clone().requires_grad_(True) for k in ("hidden", "weight")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when it has to resize an `out=` tensor
+        out = fused(leaves["hidden"], leaves["weight"], inputs["bias"], rest, chunk_size=10, backend="torch",
+                    **OPTIONS)  # fmt: skip
+        out.loss.sum().backward()
+    assert [shape for _, _, shape in seen] == [(10, 50), (10, 50), (10, 50), (7, 50)] * 2
+    assert all(same for _, same, _ in seen)
+    forward, backward = {ptr for ptr, _, _ in seen[:4]}, {ptr for ptr, _, _ in seen[4:]}
+    assert len(forward) == 1 and len(backward) == 1
+    # and the values are the lm_head's
+    h, w = inputs["hidden"][:10], inputs["weight"]
+    buffer = torch.empty(12, 50)
+    got = real(h, w, inputs["bias"], buffer[:10])
+    want = h @ w.t() if inputs["bias"] is None else h @ w.t() + inputs["bias"]
+    assert got.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(got, want)
+
+
+def test_default_chunks_of_a_bf16_model_count_two_bytes_a_logit(monkeypatch):
+    inputs = make_inputs(dtype=torch.bfloat16, masked_fraction=0.0)  # V = 50 bf16: 100 bytes per row of logits
+    monkeypatch.setattr(linear_module, "DEFAULT_CHUNK_BYTES", 8 * 100 + 99)
+    recorder = _Recorder(linear_module._chunk_logits)
+    monkeypatch.setattr(linear_module, "_chunk_logits", recorder)
+    out, _ = run(fused, inputs, random_grads(37, seed=2), backend="torch", **OPTIONS)
+    assert recorder.rows == [8, 8, 8, 8, 5] + [4] * 9 + [1]  # forward 8 rows (one buffer), backward 4 (two)
+
+
+def test_outputs_are_float32_whatever_the_default_dtype():
+    inputs = make_inputs(seed=22)
+    rest = {k: v for k, v in inputs.items() if k not in ("hidden", "weight", "bias")}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = fused(inputs["hidden"], inputs["weight"], inputs["bias"], rest, chunk_size=8, backend="torch", **OPTIONS)
+        logp, entropy = linear_log_probs(inputs["hidden"], inputs["weight"], inputs["labels"], bias=inputs["bias"],
+                                         return_entropy=True, chunk_size=8, backend="torch")  # fmt: skip
+    finally:
+        torch.set_default_dtype(default)
+    for name in ("loss", "logp", "kl", "entropy"):
+        assert getattr(out, name).dtype == torch.float32, name
+    assert logp.dtype == entropy.dtype == torch.float32
+    ref = reference(inputs["hidden"], inputs["weight"], inputs["bias"], rest, **OPTIONS)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + (["cpp"] if cpp_module.cpp_available() else []))
+def test_a_row_that_overflows_at_the_temperature_is_named_with_it(backend):
+    # Finite logits of 2e38 in row 13 overflow float32 once divided by T = 0.5: the error names row 13 of the
+    # caller's N (row 3 of its chunk) and the temperature.
+    inputs = make_inputs(seed=25, masked_fraction=0.0)
+    inputs["hidden"][:, 0] = 0.0
+    inputs["hidden"][13] = 0.0
+    inputs["hidden"][13, 0] = 1e19
+    inputs["weight"][:, 0] = 2e19
+    rest = {k: v for k, v in inputs.items() if k not in ("hidden", "weight", "bias")}
+    message = (
+        "logits row 13 (unmasked) has finite values that overflow float32 when divided by temperature=0.5; logits "
+        "must be finite or -inf, with a finite value in every unmasked row (NaN / +inf logits usually mean the "
+        "model diverged)"
+    )
+    opts = dict(OPTIONS, temperature=0.5)
+    with pytest.raises(ValueError) as error:
+        fused(inputs["hidden"], inputs["weight"], None, rest, chunk_size=5, backend=backend, **opts)
+    assert str(error.value) == message
+    with pytest.raises(ValueError) as error:
+        linear_log_probs(inputs["hidden"], inputs["weight"], inputs["labels"], temperature=0.5, chunk_size=5,
+                         backend=backend)  # fmt: skip
+    assert str(error.value) == message
