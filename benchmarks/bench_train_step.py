@@ -165,18 +165,32 @@ def lopti_factors(records: list) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the model and data
-def build_bench_model(out: Path, hidden_size: int, layers: int, heads: int, vocab_size: int, sharpen: float) -> Path:
-    """A random tiny Llama + K&K tokenizer (``tiny-model``) whose final norm is scaled by ``sharpen``; saved to ``out``."""
+def build_bench_model(out: Path, hidden_size: int, layers: int, heads: int, vocab_size: Optional[int],
+                      sharpen: float) -> Path:  # fmt: skip
+    """A random tiny Llama + K&K tokenizer (``tiny-model``) whose final norm is scaled by ``sharpen``; saved to ``out``.
+    Its lm_head has one row per tokenizer id: ``vocab_size`` (``None``: all the K&K text yields)."""
     import torch
 
     from openrlhf_lopti.local.tiny_model import build_tiny_model
 
-    model, tokenizer = build_tiny_model(hidden_size, layers, heads, max_positions=2048, vocab_size=vocab_size)
+    try:
+        model, tokenizer = build_tiny_model(hidden_size, layers, heads, max_positions=2048, vocab_size=vocab_size)
+    except ValueError as exc:
+        raise UserError(f"--vocab-size {vocab_size}: {exc}; for a larger vocabulary pass --model with a local "
+                        "Hugging Face model folder") from None  # fmt: skip
     with torch.no_grad():
         model.model.norm.weight.mul_(sharpen)  # logits x sharpen: peaked next-token distributions
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def vocab_of(model_dir: Path) -> tuple:
+    """``(lm_head rows, tokenizer ids)`` of the model folder: what the loss head's ``V`` really was."""
+    from transformers import AutoTokenizer
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return config["vocab_size"], len(AutoTokenizer.from_pretrained(model_dir))
 
 
 def write_kk_prompts(path: Path, count: int, people: Sequence[int], seed: int) -> Path:
@@ -627,7 +641,9 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--hidden-size", type=int, default=128)
     g.add_argument("--layers", type=int, default=2)
     g.add_argument("--heads", type=int, default=4)
-    g.add_argument("--vocab-size", type=int, default=1024)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="the tiny tokenizer's BPE ids = the lm_head's rows, at most what the K&K text yields "
+                   "(default: all of it, 748)")  # fmt: skip
     g.add_argument("--sharpen", type=float, default=3.5,
                    help="scale of the tiny model's final norm (its logits): how peaked its next-token probabilities are")
     g = p.add_argument_group("sizes of one RL step (both trainers)")
@@ -673,7 +689,7 @@ def resolve_args(argv: Optional[list]):
     args.openrlhf_loss_paths = args.loss_paths if explicit_paths or not quick else ["logits_kernel"]
     for name in ("hidden_size", "layers", "heads", "vocab_size", "prompts", "n_samples", "max_new_tokens",
                  "mini_batch_size", "micro_batch_size", "repeats", "openrlhf_steps", "openrlhf_launches"):  # fmt: skip
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("warmup", "openrlhf_warmup", "threads"):
         if getattr(args, name) < 0:
@@ -724,6 +740,7 @@ def main(argv: Optional[list] = None) -> int:
         work = Path(tmp)
         model_dir = Path(args.model) if args.model else build_bench_model(
             work / "model", args.hidden_size, args.layers, args.heads, args.vocab_size, args.sharpen)  # fmt: skip
+        vocab = vocab_of(model_dir)
         reward_file = work / "reward_bench.py"
         reward_file.write_text(REWARD_FILE)
         if "local" in args.trainers:
@@ -736,6 +753,7 @@ def main(argv: Optional[list] = None) -> int:
                 args.loss_paths = paths
     info["load_average_1m_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "overwrite")}
+    settings["lm_head_rows"], settings["tokenizer_ids"] = vocab
     report = {
         "benchmark": "bench_train_step",
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -751,6 +769,7 @@ def main(argv: Optional[list] = None) -> int:
     table = markdown_table(report)
     (out / "train_step.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     header = (f"{info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['torch_threads']} threads), "
+              f"lm_head rows {settings['lm_head_rows']}, "
               f"load average {info.get('load_average_1m', 0):.1f} -> {info['load_average_1m_end'] or 0:.1f}; "
               f"took {report['wall_s']:.0f} s. Medians (min-max); Lopti factor = the Lopti method's time over the "
               f"same method's without Lopti, step by step (paper: {PAPER_LOPTI_FACTOR}x training time).")  # fmt: skip

@@ -55,6 +55,21 @@ def test_local_run_writes_every_method_and_loss_path_with_counted_steps_only(tin
     assert stats == {"median": statistics.median(values), "min": min(values), "max": max(values), "n": 2}
 
 
+def test_the_report_records_the_lm_heads_rows(tiny_run):
+    from transformers import AutoTokenizer
+
+    out, report = tiny_run
+    # the tiny model's lm_head has one row per tokenizer id; the report says how many it had
+    assert report["settings"]["lm_head_rows"] == report["settings"]["tokenizer_ids"] > 0
+    assert f"lm_head rows {report['settings']['lm_head_rows']}" in (out / "train_step.md").read_text()
+
+
+def test_a_vocab_size_the_tiny_tokenizer_cannot_give_is_refused(tmp_path):
+    with pytest.raises(UserError, match=r"--vocab-size 151936: .* at most \d+ .*--model"):
+        bench.build_bench_model(tmp_path / "model", 16, 1, 2, 151936, 3.5)
+    assert not (tmp_path / "model").exists()
+
+
 def test_method_order_rotates_from_round_to_round(tiny_run):
     _, report = tiny_run
     orders = {}

@@ -33,3 +33,16 @@ def test_tiny_model_refuses_a_folder_with_files(tmp_path):
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 2 and "--out" in result.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_a_vocab_size_the_kk_text_cannot_give_is_refused_naming_the_flag(tmp_path):
+    from openrlhf_lopti.local.tiny_model import build_kk_tokenizer
+
+    learned = len(build_kk_tokenizer(seed=0))  # every BPE id the K&K text yields
+    assert len(build_kk_tokenizer(learned, seed=0)) == learned and len(build_kk_tokenizer(300, seed=0)) == 300
+    out = tmp_path / "tiny"
+    result = subprocess.run([sys.executable, "-m", "openrlhf_lopti", "tiny-model", "--out", str(out),
+                             "--vocab-size", str(learned + 1)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 2
+    assert f"--vocab-size {learned + 1}" in result.stderr and f"at most {learned}" in result.stderr
+    assert not out.exists() or not any(out.iterdir())

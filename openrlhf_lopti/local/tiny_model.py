@@ -39,10 +39,14 @@ def kk_corpus(puzzles_per_size: int = 40, seed: int = 0) -> list:
     return texts
 
 
-def build_kk_tokenizer(vocab_size: int = 1024, seed: int = 0):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` of ``vocab_size`` ids trained on :func:`kk_corpus`.
+def build_kk_tokenizer(vocab_size: Optional[int] = None, seed: int = 0):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` of ``vocab_size`` ids trained on :func:`kk_corpus`
+    (``None``: every id BPE learns from that text, 748 for seed 0).
 
     Byte-level: every string round-trips (``decode(encode(s)) == s``), K&K words as single or few tokens.
+
+    Raises:
+        ValueError: ``vocab_size`` is more ids than the text yields (BPE would silently give fewer).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -51,12 +55,14 @@ def build_kk_tokenizer(vocab_size: int = 1024, seed: int = 0):
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size or 1 << 20,  # None: merge until no pair is left
         special_tokens=list(SPECIALS.values()),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     core.train_from_iterator(kk_corpus(seed=seed), trainer=trainer)
+    if vocab_size is not None and core.get_vocab_size() < vocab_size:
+        raise ValueError(f"the K&K text yields at most {core.get_vocab_size()} BPE ids, not {vocab_size}")
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=SPECIALS["pad"],
@@ -68,7 +74,7 @@ def build_kk_tokenizer(vocab_size: int = 1024, seed: int = 0):
 
 
 def build_tiny_model(hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, max_positions: int = 1024,
-                     vocab_size: int = 1024, seed: int = 0):  # fmt: skip
+                     vocab_size: Optional[int] = None, seed: int = 0):  # fmt: skip
     """``(model, tokenizer)``: the demo's random ``LlamaForCausalLM`` (tied embeddings) sized for
     :func:`build_kk_tokenizer`."""
     tokenizer = build_kk_tokenizer(vocab_size, seed)
@@ -81,7 +87,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=64, help="model width (default 64)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size (default 1024)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="BPE vocabulary size, at most what the K&K text yields (default: all of it, 748 ids)")
     p.add_argument("--max-positions", type=int, default=1024, help="context length, tokens (default 1024)")
     p.add_argument("--seed", type=int, default=0, help="seed of the tokenizer corpus and the weights")
     return p
@@ -94,13 +101,16 @@ def main(argv: Optional[list] = None) -> int:
         raise UserError(f"--out {str(out)!r} exists and is not an empty folder: choose a new path")
     for flag, value in (("--hidden-size", args.hidden_size), ("--layers", args.layers), ("--heads", args.heads),
                         ("--vocab-size", args.vocab_size), ("--max-positions", args.max_positions)):  # fmt: skip
-        if value < 1:
+        if value is not None and value < 1:
             raise UserError(f"{flag} must be an integer >= 1, got {value}")
     if args.hidden_size % args.heads:
         raise UserError(f"--hidden-size ({args.hidden_size}) must be divisible by --heads ({args.heads})")
-    model, tokenizer = build_tiny_model(
-        args.hidden_size, args.layers, args.heads, args.max_positions, args.vocab_size, args.seed
-    )
+    try:
+        model, tokenizer = build_tiny_model(
+            args.hidden_size, args.layers, args.heads, args.max_positions, args.vocab_size, args.seed
+        )
+    except ValueError as exc:
+        raise UserError(f"--vocab-size {args.vocab_size}: {exc}; ask for at most that many") from None
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     params = sum(p.numel() for p in model.parameters())

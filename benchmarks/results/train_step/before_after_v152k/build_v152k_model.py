@@ -1,7 +1,7 @@
 """The tiny benchmark Llama of bench_train_step (hidden 128, 2 layers, 4 heads, K&K BPE tokenizer, final norm x 3.5)
 but with a 151,936-row (tied) embedding / lm_head, Qwen2.5's vocab_size. bench_train_step's own --vocab-size only
-sets the BPE tokenizer's target size, and its K&K corpus yields 748 ids whatever the target, so the model's
-vocabulary stays 748 there. The added rows (ids >= len(tokenizer)) are zero (logit 0 for every hidden state, like
+sets the BPE tokenizer's size, and its K&K corpus yields at most 748 ids (when these runs were made, a larger
+--vocab-size silently gave 748; it is refused since), so the vocabulary had to be padded here. The added rows (ids >= len(tokenizer)) are zero (logit 0 for every hidden state, like
 never-trained padding rows) and the final norm is scaled by 3.5 x MULT (default 1.6) instead of 3.5, so that both
 Lopti phases hold tokens. How MULT was picked (bench_train_step runs of the lopti trainer at the sizes below, the
 "low tokens" column, i.e. the share of response tokens with p < eta = 0.5): random added rows at 3.5 gave 1.00 (phase
@@ -20,7 +20,7 @@ from openrlhf_lopti.local.tiny_model import build_kk_tokenizer
 
 out = sys.argv[1]
 vocab = int(sys.argv[2]) if len(sys.argv) > 2 else 151936
-tokenizer = build_kk_tokenizer(1024, 0)
+tokenizer = build_kk_tokenizer(seed=0)  # all 748 ids (was written build_kk_tokenizer(1024, 0): the same tokenizer)
 model = build_tiny_llama(tokenizer, 128, 2, 4, 2048, 0)  # the benchmark's sizes and seed
 with torch.random.fork_rng(devices=[]):
     torch.manual_seed(0)
