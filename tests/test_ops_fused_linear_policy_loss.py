@@ -398,7 +398,8 @@ BAD = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("overrides,message", BAD, ids=[m.split()[0] + str(i) for i, (_, m) in enumerate(BAD)])
+@pytest.mark.parametrize("overrides,message", BAD,
+                         ids=[re.sub(r"\W", "", m.split()[0]) + str(i) for i, (_, m) in enumerate(BAD)])
 def test_bad_input_is_a_value_error_before_any_matmul(monkeypatch, overrides, message):
     def forbidden(*args):
         raise AssertionError("a matmul ran on invalid input")
