@@ -148,11 +148,14 @@ def check_backend_matches_reference(case: Case, backend: str, device: str = "cpu
     out, grad = _run(lambda *a, **k: fused_policy_loss(*a, backend=backend, **k), inputs, opts, upstream)
 
     tol = tolerances(case.dtype)
-    # logp = z/T - lse subtracts two numbers of size max|z/T|: fp32 rounding of that size is not an error.
+    # logp = z/T - lse subtracts two numbers of size max|z/T|: fp32 rounding of that size is not an error
+    # (the C++ kernel's fused multiply-add z * (1/T) - max rounds once where the reference rounds twice). The
+    # gradient carries that logp error times p, the upstream weights (randn) and 1/T, hence the same 8 ulps:
+    # e.g. V = 1, z = -4.8, T = 0.6: logp 4.2e-7 instead of 0, a gradient of 1.2e-6 instead of 0.
     magnitude = inputs["logits"].float().abs().max().item() / case.temperature
     eps = torch.finfo(torch.float32).eps
     tol["fwd"]["atol"] = max(tol["fwd"]["atol"], 8 * eps * magnitude)
-    tol["grad"]["atol"] = max(tol["grad"]["atol"], eps * magnitude)
+    tol["grad"]["atol"] = max(tol["grad"]["atol"], 8 * eps * magnitude)
     for name in ("loss", "logp", "kl"):
         got, want = getattr(out, name), getattr(ref_out, name)
         assert got.dtype == torch.float32, f"{name} dtype {got.dtype}"
