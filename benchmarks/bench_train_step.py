@@ -190,7 +190,8 @@ def vocab_of(model_dir: Path) -> tuple:
     from transformers import AutoTokenizer
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    return config["vocab_size"], len(AutoTokenizer.from_pretrained(model_dir))
+    rows = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))  # None when neither says
+    return rows, len(AutoTokenizer.from_pretrained(model_dir))
 
 
 def write_kk_prompts(path: Path, count: int, people: Sequence[int], seed: int) -> Path:

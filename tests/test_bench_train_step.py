@@ -56,8 +56,6 @@ def test_local_run_writes_every_method_and_loss_path_with_counted_steps_only(tin
 
 
 def test_the_report_records_the_lm_heads_rows(tiny_run):
-    from transformers import AutoTokenizer
-
     out, report = tiny_run
     # the tiny model's lm_head has one row per tokenizer id; the report says how many it had
     assert report["settings"]["lm_head_rows"] == report["settings"]["tokenizer_ids"] > 0
