@@ -1,6 +1,9 @@
 """Rollouts and the policy update on a tiny random Llama: loss goes down, Lopti's phases run in order."""
 
 import copy
+import dataclasses
+import math
+import time
 
 import pytest
 import torch
@@ -10,9 +13,11 @@ from openrlhf_lopti.algo import policy_loss_from_logp, token_logprobs
 from openrlhf_lopti.local.config import TrainConfig
 from openrlhf_lopti.local.experience import Experience, make_experience
 from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer
-from openrlhf_lopti.local.rollout import generate_rollouts, response_logits, response_logprobs
+from openrlhf_lopti.local.rollout import Rollout, generate_rollouts, response_logits, response_logprobs
 from openrlhf_lopti.local.task import compact_prompt, puzzles
-from openrlhf_lopti.local.update import update_policy
+from openrlhf_lopti.local.update import phase_part, update_policy
+
+from .kernel_cases import textbook_policy_loss
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +164,9 @@ def test_lopti_runs_two_phases_in_order_on_updated_weights(peaked, monkeypatch, 
         assert chosen == want
         assert (call["adv"][~call["mask"]] == 0).all()  # other-phase advantages are zeroed
         assert call["alpha"] == 0.3 and call["temperature"] == 1.0
+        # every option reaches the loss (cfg_for's values, TrainConfig's defaults otherwise)
+        forwarded = {key: call[key] for key in ("eps_low", "eps_high", "kl_coef", "kl_estimator", "backend")}
+        assert forwarded == {"eps_low": 0.2, "eps_high": 0.24, "kl_coef": 0.0, "kl_estimator": "k3", "backend": "torch"}
     assert metrics["phase1_tokens"] == int(expected[0].sum()) and metrics["phase2_tokens"] == int(expected[1].sum())
     # phase 2 recomputed its forward with the weights phase 1 changed (rows are permuted: compare sorted values;
     # each call holds its phase's tokens only)
@@ -201,3 +209,208 @@ def test_make_experience_scores_and_normalises_groups(tiny):
     assert torch.equal(exp.ref_log_probs, exp.old_log_probs)  # reference = the same weights here
     assert (exp.rewards == -3.0).all()  # a random model writes no tags: format -1, answer -2
     assert (exp.advantages == 0).all()  # all-equal groups
+
+
+# ---- the update against the loss written out (issue 17, survivors of the mutation run of local/update.py) ----
+# Reference: `textbook_policy_loss` (tests/kernel_cases.py, the per-token loss from its definition) on
+# `response_logits` of the whole, untrimmed rollout; token-mean over every response token of the batch; the step
+# and the clip written out below (SGD: w - lr * g * min(1, clip / (|g| + 1e-6))).
+
+
+def written_experience(model, tok, seed=0):
+    """Old log-probs away from the current ones (so some ratios clip), a reference that differs, random advantages."""
+    rollout = sample(model, tok, seed=seed)
+    mask = rollout.action_mask
+    g = torch.Generator().manual_seed(seed)
+    logp = response_logprobs(model, rollout, 1.0).detach()
+    old = (logp + 0.3 * torch.randn(logp.shape, generator=g)).clamp(max=-1e-3) * mask
+    ref = (logp + 0.5 * torch.randn(logp.shape, generator=g)) * mask
+    adv = torch.randn(len(rollout), 1, generator=g) * mask
+    n = len(rollout)
+    flags = torch.zeros(n, dtype=torch.bool)
+    return Experience(rollout, old, ref, adv, torch.zeros(n), flags, ~flags)
+
+
+def written_loss(model, exp, cfg, tokens, kl_coef):
+    """textbook per-token loss of the ``tokens [B, T]`` (bool) under ``model``, in float64."""
+    logits = response_logits(model, exp.rollout)[tokens]
+    labels = exp.rollout.sequences[:, exp.rollout.prompt_len :][tokens]
+    inputs = dict(labels=labels, old_log_probs=exp.old_log_probs[tokens], advantages=exp.advantages[tokens],
+                  mask=torch.ones_like(labels, dtype=torch.bool), ref_log_probs=exp.ref_log_probs[tokens])  # fmt: skip
+    opts = dict(temperature=cfg.temperature, alpha=cfg.alpha, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                dual_clip=None, kl_estimator=cfg.kl_estimator, kl_coef=kl_coef)  # fmt: skip
+    out = textbook_policy_loss(inputs, opts, logits)
+    return {**{key: value.detach() for key, value in out.items()}, "loss": out["loss"]}
+
+
+def written_grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return grads, float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+
+
+def with_biased_head(model, seed=0):
+    """The model with its lm_head replaced by an untied Linear with a random bias (HF's forward adds it)."""
+    head = model.get_output_embeddings()
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.copy_(torch.randn(head.out_features, generator=torch.Generator().manual_seed(seed)))
+    model.set_output_embeddings(biased)
+    return model
+
+
+@pytest.mark.parametrize(
+    "estimator, grad_clip, fused_lm_head",
+    [("grpo", 0.05, False), ("grpo", 0.0, False), ("reinforce++", 0.05, False), ("grpo", 0.05, True)],
+)
+def test_one_step_matches_the_loss_written_out(peaked, estimator, grad_clip, fused_lm_head):
+    """One SGD step against the loss written out; with ``fused_lm_head``, on an lm_head with a bias (the HF
+    forward's logits, bias included, are the reference)."""
+    model, tok = peaked
+    model = copy.deepcopy(model)
+    if fused_lm_head:
+        model = with_biased_head(model)
+        assert model.get_output_embeddings().bias is not None
+    exp = written_experience(model, tok)
+    cfg = cfg_for(estimator=estimator, kl_coef=1.0, kl_estimator="k2", eps_low=0.1, eps_high=0.3, alpha=0.3,
+                  grad_clip=grad_clip, mini_batch_size=8, micro_batch_size=3, fused_lm_head=fused_lm_head)  # fmt: skip
+    mask = exp.rollout.action_mask
+    n = int(mask.sum())
+    kl_coef = 1.0 if estimator == "grpo" else 0.0  # REINFORCE++ has its KL in the reward, not in the loss
+    reference = copy.deepcopy(model)
+    out = written_loss(reference, exp, cfg, mask, kl_coef)
+    grads, norm = written_grads(reference, out["loss"].sum() / n)
+    scale = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip > 0 else 1.0
+    assert grad_clip == 0 or norm > 2 * grad_clip  # the clip is exercised
+    lr = 0.1
+    expected = [p.detach() - lr * scale * g for p, g in zip(reference.parameters(), grads)]
+
+    m = update_policy(model, torch.optim.SGD(model.parameters(), lr=lr), exp, cfg, torch.Generator().manual_seed(0))
+    clipped = out["clipped"].double()
+    assert 0 < float(clipped.mean()) < 1  # micro-batches of 3 responses: several hold clipped tokens
+    assert m["optimizer_steps"] == 1
+    assert m["loss"] == pytest.approx(float(out["loss"].detach().sum()) / n, rel=1e-5, abs=1e-7)
+    assert m["clip_ratio"] == pytest.approx(float(clipped.mean()), rel=1e-6)
+    assert m["entropy"] == pytest.approx(float(out["entropy"].mean()), rel=1e-5)
+    assert m["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    for p, want in zip(model.parameters(), expected):
+        assert torch.allclose(p.detach(), want, atol=1e-6, rtol=1e-5)
+    assert all(p.grad is None for p in model.parameters())  # gradients freed after the update
+
+
+def split_experience(model, tok):
+    """``written_experience`` with rows 0-3 all below p = 0.5 (phase 1 with eta 0.5) and rows 4-7 all at p = 0.9."""
+    exp = written_experience(model, tok)
+    mask = exp.rollout.action_mask
+    old = exp.old_log_probs.clone()
+    old[:4] = old[:4].clamp(max=math.log(0.45))
+    old[4:] = math.log(0.9)
+    return dataclasses.replace(exp, old_log_probs=old * mask)
+
+
+def test_lopti_metrics_match_the_phases_written_out(peaked):
+    """Two epochs, micro-batches of one response (most hold no token of the phase), lr 0: every metric by hand."""
+    model, tok = peaked
+    exp = split_experience(model, tok)
+    mask = exp.rollout.action_mask
+    n = int(mask.sum())
+    low = mask & (exp.old_log_probs.exp() < 0.5)  # Lopti's phases with eta 0.5, written out
+    high = mask & ~low
+    assert low[:4].equal(mask[:4]) and high[4:].equal(mask[4:])
+    cfg = cfg_for(lopti=True, eta=0.5, epochs=2, mini_batch_size=8, micro_batch_size=1, alpha=0.3, eps_low=0.1,
+                  eps_high=0.3)  # fmt: skip
+    wall = time.perf_counter()
+    policy = copy.deepcopy(model)
+    m = update_policy(policy, torch.optim.SGD(policy.parameters(), lr=0.0), exp, cfg, torch.Generator().manual_seed(0))
+    wall = time.perf_counter() - wall
+    total = dict(loss=0.0, clipped=0.0, entropy=0.0, norms=0.0)
+    for k, tokens in ((1, low), (2, high)):
+        reference = copy.deepcopy(model)
+        out = written_loss(reference, exp, cfg, tokens, 0.0)
+        _, norm = written_grads(reference, out["loss"].sum() / n)
+        clipped = float(out["clipped"].double().sum())
+        assert 0 < clipped < int(tokens.sum())
+        assert m[f"phase{k}_tokens"] == int(tokens.sum())
+        assert m[f"phase{k}_loss"] == pytest.approx(float(out["loss"].detach().sum()) / n, rel=1e-5, abs=1e-7)
+        assert m[f"phase{k}_clip_ratio"] == pytest.approx(clipped / int(tokens.sum()), rel=1e-6)
+        assert m[f"phase{k}_grad_norm"] == pytest.approx(norm, rel=1e-4)
+        assert m[f"phase{k}_s"] >= 0
+        total["loss"] += float(out["loss"].detach().sum())
+        total["clipped"] += clipped
+        total["entropy"] += float(out["entropy"].sum())
+        total["norms"] += norm
+    assert m["phase1_s"] + m["phase2_s"] <= wall
+    assert m["optimizer_steps"] == 4  # 2 phases x 2 epochs x 1 mini-batch
+    assert m["loss"] == pytest.approx(total["loss"] / n, rel=1e-5, abs=1e-7)
+    assert m["clip_ratio"] == pytest.approx(total["clipped"] / n, rel=1e-6)
+    assert m["entropy"] == pytest.approx(total["entropy"] / n, rel=1e-5)
+    assert m["grad_norm"] == pytest.approx(total["norms"] / 2, rel=1e-4)  # 2 equal steps per phase (lr 0)
+
+
+def test_a_mini_batch_without_phase_tokens_still_steps_adamw(peaked):
+    """Mini-batches of one response: half of each phase's 8 hold none of its tokens; AdamW steps every param 16x."""
+    model, tok = peaked
+    model = copy.deepcopy(model)
+    exp = split_experience(model, tok)
+    cfg = cfg_for(lopti=True, eta=0.5, mini_batch_size=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    m = update_policy(model, optimizer, exp, cfg, torch.Generator().manual_seed(0))
+    assert m["optimizer_steps"] == 16
+    assert all(int(optimizer.state[p]["step"]) == 16 for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_batch_of_one_token(peaked):
+    """One trained token, clipped (ratio e, advantage +1), with a KL gradient: every mean is that token's value."""
+    model, tok = peaked
+    model = copy.deepcopy(model)
+    exp = written_experience(model, tok)
+    mask = torch.zeros_like(exp.rollout.action_mask)
+    mask[0, 0] = True
+    logp = response_logprobs(model, exp.rollout, 1.0).detach()
+    exp = dataclasses.replace(exp, rollout=dataclasses.replace(exp.rollout, action_mask=mask),
+                              old_log_probs=(logp - 1.0) * mask, ref_log_probs=(logp + 0.5) * mask,
+                              advantages=mask.float())  # fmt: skip
+    cfg = cfg_for(lopti=True, eta=0.5, kl_coef=1.0, kl_estimator="k2", grad_clip=0.0, mini_batch_size=8)
+    reference = copy.deepcopy(model)
+    out = written_loss(reference, exp, cfg, mask, 1.0)
+    _, norm = written_grads(reference, out["loss"].sum())  # the token-mean over 1 token
+    assert bool(out["clipped"][0]) and norm > 0
+    m = update_policy(model, torch.optim.SGD(model.parameters(), lr=0.1), exp, cfg, torch.Generator().manual_seed(0))
+    assert m["phase1_tokens"] == 1 and m["phase2_tokens"] == 0
+    assert m["loss"] == pytest.approx(float(out["loss"][0].detach()), rel=1e-5)
+    assert m["phase1_loss"] == pytest.approx(float(out["loss"][0].detach()), rel=1e-5)
+    assert m["clip_ratio"] == 1.0 and m["phase1_clip_ratio"] == 1.0
+    assert m["entropy"] == pytest.approx(float(out["entropy"][0]), rel=1e-5)
+    assert m["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert m["phase2_loss"] == 0.0 and m["phase2_clip_ratio"] == 0.0 and m["phase2_grad_norm"] == 0.0
+
+
+def test_a_batch_without_response_tokens_takes_no_step(tiny):
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    exp = fixed_experience(model, tok)
+    mask = torch.zeros_like(exp.rollout.action_mask)
+    exp = dataclasses.replace(exp, rollout=dataclasses.replace(exp.rollout, action_mask=mask))
+    before = [p.detach().clone() for p in model.parameters()]
+    m = update_policy(model, torch.optim.SGD(model.parameters(), lr=0.1), exp, cfg_for())
+    assert m == {"loss": 0.0, "optimizer_steps": 0, "clip_ratio": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    assert all(p.equal(b) for p, b in zip(model.parameters(), before))
+
+
+def test_phase_part_by_hand():
+    """Rows 0 and 2 hold phase tokens (last one at response column 3): cut after column 3, row 1 left out."""
+    prompt, width = 2, 6
+    sequences = torch.arange(3 * (prompt + width)).view(3, prompt + width)
+    action_mask = torch.ones(3, width, dtype=torch.bool)
+    rollout = Rollout(sequences, torch.ones_like(sequences), action_mask, prompt, ["a", "b", "c"])
+    phase = torch.zeros(3, width, dtype=torch.bool)
+    phase[0, 1] = phase[2, 3] = True
+    part, rows, tokens = phase_part(rollout, torch.tensor([0, 1, 2]), phase)
+    assert rows.tolist() == [0, 2]
+    assert tokens.tolist() == [[False, True, False, False], [False, False, False, True]]
+    assert part.sequences.equal(sequences[[0, 2], : prompt + 4]) and part.action_mask.shape == (2, 4)
+    assert part.responses == ["a", "c"]
+    assert phase_part(rollout, torch.tensor([1]), phase) is None
