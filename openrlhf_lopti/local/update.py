@@ -16,7 +16,9 @@ no backward, nor does a micro-batch made only of such responses; the rest runs u
 token of the phase only (a causal LM's earlier outputs do not depend on later tokens), and the lm_head (with
 ``fused_lm_head``) and the loss only on the phase's tokens. A mini-batch made only of skipped micro-batches
 still takes its optimizer step, on zero gradients, as it would unskipped (AdamW's moments and weight decay
-move the weights even then).
+move the weights even then). One difference is left: a trainable parameter the loss never reaches (none in a
+Hugging Face causal LM, where every parameter feeds the logits) gets a zero gradient in that step instead of
+none, so AdamW steps it where unskipped it would not (TESTING.md, survivors of ``local/update.py``).
 """
 
 import math
