@@ -7,6 +7,7 @@ Without CUDA the kernels run under TRITON_INTERPRET=1 (tests/conftest.py); small
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from unittest import mock
@@ -62,6 +63,7 @@ EDGE_CASES = [
     (Case(n=4, v=5000, entropy=True, kl="k2", dtype=torch.bfloat16), None, None),
     (Case(n=40, v=50, alpha=1.0, dual_clip=2.0, entropy=True), 16, 1),
     (Case(n=40, v=50, masked_fraction=0.9), 16, 7),
+    (Case(n=3, v=5, entropy=True, masked_fraction=0.0), 1, None),  # a block of 2**0 = 1 column
 ]
 
 
@@ -181,19 +183,28 @@ def test_masked_rows_are_never_read():
 
 
 class _LaunchSpy:
-    """Stands in for a kernel: records the logits pointer and row stride of each launch, then launches it."""
+    """Stands in for a kernel: records each launch's arguments (``launches``) and the logits pointer and row
+    stride (``logits``), then launches it."""
 
     def __init__(self, kernel):
-        self.kernel, self.logits = kernel, []
+        self.kernel, self.logits, self.launches = kernel, [], []
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
             self.logits.append((args[0].data_ptr(), args[1]))
+            self.launches.append((args, kwargs))
             return launch(*args, **kwargs)
 
         return run
+
+
+def _spy_on_kernels(monkeypatch) -> dict:
+    spies = {name: _LaunchSpy(getattr(kernels, name)) for name in ("_policy_loss_fwd_kernel", "_policy_loss_bwd_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(kernels, name, spy)
+    return spies
 
 
 def test_strided_rows_are_read_in_place(monkeypatch):
@@ -208,9 +219,7 @@ def test_strided_rows_are_read_in_place(monkeypatch):
     assert sliced.stride(0) == case.v + 13 and transposed.stride(-1) != 1
     want = _call(inputs, backend="torch", **options(case))
     for logits in (sliced, transposed):
-        spies = {name: _LaunchSpy(getattr(kernels, name)) for name in ("_policy_loss_fwd_kernel", "_policy_loss_bwd_kernel")}
-        for name, spy in spies.items():
-            monkeypatch.setattr(kernels, name, spy)
+        spies = _spy_on_kernels(monkeypatch)
         got = _call(dict(inputs, logits=logits), backend="triton", **options(case))
         (got.loss.sum() + got.entropy.sum()).backward()
         for name in ("loss", "logp", "kl", "entropy"):
@@ -270,8 +279,85 @@ def test_empty_batch():
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRETED", False)
     inputs = make_inputs(Case(n=2, v=8))  # CPU tensors, on any machine
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+    message = (
+        "the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+        "openrlhf_lopti.ops.triton.policy_loss is first imported to run on CPU"
+    )
+    with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
         _call(inputs, backend="triton")
+
+
+def _direct(inputs, **opts):
+    """``triton_policy_loss`` itself (``fused_policy_loss`` always passes every option)."""
+    return kernels.triton_policy_loss(
+        inputs["logits"], inputs["labels"], inputs["old_log_probs"], inputs["advantages"], inputs["mask"], **opts
+    )
+
+
+def test_defaults_are_the_textbook_loss():
+    """No options: alpha 0, eps 0.2 / 0.2, no dual clip, the KL reported (k3) but not in the loss, T 1, no entropy."""
+    case = Case(n=24, v=40, kl="k3", old_spread=0.6, seed=16)
+    inputs = make_inputs(case, DEVICE)
+    leaf = _leaf(inputs)
+    with mock.patch.dict(os.environ, _launch_env(block_v=16)):
+        out, bad_rows = _direct(leaf, ref_log_probs=leaf["ref_log_probs"])
+    out.loss.sum().backward()
+    defaults = dict(alpha=0.0, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", temperature=1.0)
+    cpu = {k: None if v is None else v.cpu() for k, v in inputs.items()}
+    logits = cpu["logits"].clone().requires_grad_(True)
+    want = textbook_policy_loss(cpu, defaults, logits)
+    want["loss"].sum().backward()
+    ratio = (want["logp"] - cpu["old_log_probs"].double()).exp()[cpu["mask"]]
+    assert (ratio < 0.8).any() and (ratio > 1.2).any()  # both clip bounds are crossed
+    assert out.entropy is None and not bad_rows.any()
+    for field in ("loss", "logp", "kl"):
+        torch.testing.assert_close(getattr(out, field).cpu().double(), want[field].detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.clipped.cpu(), want["clipped"])
+    torch.testing.assert_close(leaf["logits"].grad.cpu().double(), logits.grad.double(), rtol=1e-4, atol=1e-6)
+
+
+def test_what_each_launch_receives(monkeypatch):
+    """The [N] vectors reach the kernels as contiguous fp32 whatever the caller's dtype, the mask as int8, each
+    launch with the configuration's warps; the backward takes the entropy term only when the entropy's gradient
+    is used (unused outputs reach backward as None, not as zeros)."""
+    case = Case(n=10, v=30, kl="k2", alpha=0.3, entropy=True, seed=17)
+    inputs = make_inputs(case, DEVICE)
+    half = dict(inputs, **{k: inputs[k].to(torch.bfloat16) for k in ("old_log_probs", "advantages", "ref_log_probs")})
+    monkeypatch.setenv(kernels.ENV_NUM_WARPS, "2")
+    monkeypatch.setenv(kernels.ENV_BLOCK_V, "16")
+    opts = {k: v for k, v in options(case).items()}
+    want = textbook_policy_loss({k: None if v is None else v.cpu() for k, v in half.items()}, opts, inputs["logits"].cpu())
+    for entropy_used in (False, True):
+        spies = _spy_on_kernels(monkeypatch)
+        leaf = _leaf(half)
+        out, _ = _direct(leaf, ref_log_probs=leaf["ref_log_probs"], **opts)
+        (out.loss.sum() + (out.entropy.sum() if entropy_used else 0)).backward()
+        (fwd_args, fwd_kwargs), = spies["_policy_loss_fwd_kernel"].launches
+        (bwd_args, bwd_kwargs), = spies["_policy_loss_bwd_kernel"].launches
+        old, adv, keep, ref = fwd_args[3], fwd_args[4], fwd_args[5], fwd_args[6]
+        for vector in (old, adv, ref):
+            assert vector.dtype == torch.float32 and vector.is_contiguous() and vector.shape == (case.n,)
+        assert keep.dtype == torch.int8 and torch.equal(keep.bool(), inputs["mask"])
+        assert torch.equal(ref, half["ref_log_probs"].float()) and torch.equal(old, half["old_log_probs"].float())
+        assert fwd_kwargs["num_warps"] == 2 and bwd_kwargs["num_warps"] == 2
+        assert fwd_kwargs["WITH_ENTROPY"] is True and fwd_kwargs["KL_MODE"] == 2
+        assert bwd_kwargs["WITH_ENTROPY_GRAD"] is entropy_used
+        for field in ("loss", "logp", "kl", "entropy"):
+            torch.testing.assert_close(getattr(out, field).cpu().double(), want[field].detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_are_fp32_whatever_the_default_dtype():
+    case = Case(n=6, v=20, kl="k3", entropy=True, seed=18)
+    inputs = make_inputs(case, DEVICE)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out, bad_rows = _direct(inputs, ref_log_probs=inputs["ref_log_probs"], kl_coef=0.1, return_entropy=True)
+    finally:
+        torch.set_default_dtype(previous)
+    for field in ("loss", "logp", "kl", "entropy"):
+        assert getattr(out, field).dtype == torch.float32, field
+    assert out.clipped.dtype == torch.bool and bad_rows.dtype == torch.bool
 
 
 @pytest.mark.parametrize("name,value", [(kernels.ENV_BLOCK_V, "48"), (kernels.ENV_GRID_CAP, "0")])

@@ -278,8 +278,8 @@ class _TritonPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, g_logp, g_kl, g_clipped, g_entropy, g_bad_rows):
-        if not ctx.needs_input_grad[0]:
-            return (None,) * 7
+        # Only ``logits`` can need a gradient (every other input is detached or integer), so autograd calls this
+        # only when it does.
         logits, labels, keep, row_max, log_sum, dloss_dlogp, entropy = ctx.saved_tensors
         n_rows, n_cols = logits.shape
         # Chain rule through logp, in fp32 [N]: cheap, so done in torch rather than in the kernel.
