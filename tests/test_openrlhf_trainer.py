@@ -10,7 +10,9 @@ estimators, ``PolicyModelActor.init_model_from_pretrained``, and the DeepSpeed e
 
 import copy
 import functools
+import math
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -48,17 +50,19 @@ DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 def record_optimizer_steps(engine, trainer, record_grads: bool) -> list:
     """Wrap ``engine.step``: one dict per real optimizer step (an accumulation boundary) with the running Lopti
-    phase, the gradients DeepSpeed steps with (if asked; ZeRO stage 0 keeps them in ``param.grad``) and the
-    parameters after the step."""
+    phase, the gradients DeepSpeed steps with (if asked; ZeRO stage 0 keeps them in ``param.grad``), the
+    parameters after the step and the learning rate it used."""
     steps, step = [], engine.step
 
     def recorded(*args, **kwargs):
         boundary = engine.is_gradient_accumulation_boundary()
         params = [p for p in engine.module.parameters() if p.requires_grad]
         grads = [p.grad.detach().clone() for p in params] if boundary and record_grads else None
+        lr = trainer.actor_scheduler.optimizer.param_groups[0]["lr"]  # the LR this step uses
         out = step(*args, **kwargs)
         if boundary:
-            steps.append({"phase": getattr(trainer, "lopti_phase", None), "grads": grads, "params": [p.detach().clone() for p in params]})
+            params_after = [p.detach().clone() for p in params]
+            steps.append({"phase": getattr(trainer, "lopti_phase", None), "grads": grads, "params": params_after, "lr": lr})
         return out
 
     engine.step = recorded
@@ -216,14 +220,17 @@ def make_trainer(env, cls, args, actor, gas=1, record_grads=False):
     return trainer, strategy
 
 
-def train_round(env, cls, args, gas=1, record_grads=False, edit=None):
-    """One ``ppo_train`` round on the rollout; ``edit(experience)`` may change the experience first."""
+def train_round(env, cls, args, gas=1, record_grads=False, edit=None, samples=None):
+    """One ``ppo_train`` round on the rollout; ``edit(experience)`` may change the experience first; ``samples``
+    keeps only the first that many samples in the replay buffer."""
     actor = make_actor(env, args)
     experience = make_experience(env.rollout, actor)
     if edit is not None:
         edit(experience)
     trainer, strategy = make_trainer(env, cls, args, actor, gas, record_grads)
     trainer.replay_buffer.append(experience)
+    if samples is not None:
+        del trainer.replay_buffer.items[samples:]
     torch.manual_seed(3)  # the DataLoader's shuffle
     status = trainer.ppo_train(KL_CTL)
     return SimpleNamespace(trainer=trainer, strategy=strategy, status=status, actor=actor, experience=experience)
@@ -285,11 +292,13 @@ def spy_upstream_step(monkeypatch):
         calls.append(
             {
                 "phase": getattr(self, "lopti_phase", None),
+                "step": step,
                 "mask": experience.action_mask.clone(),
                 "response": experience.attention_mask[:, -experience.action_mask.shape[1] :].bool(),
                 "advantages": experience.advantages.clone(),
                 "old": experience.action_log_probs.clone(),
                 "batch_num_tokens": float(loss_batch_info["batch_num_tokens"]),
+                "global_batch_size": float(loss_batch_info["global_batch_size"]),
                 # how far the step's own forward is from the rollout's log-probs on the phase's tokens
                 "drift": (forward[0] - experience.action_log_probs).abs()[mask].max().item() if mask.any() else 0.0,
             }
@@ -316,13 +325,15 @@ def test_phases_run_in_order_each_a_full_pass_with_its_optimizer_steps(order, en
     assert run.trainer.lopti_phase is None  # reset after the round
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64])  # int64: as upstream's samples generator makes it
 @pytest.mark.parametrize("denominator", ["all", "phase"])
-def test_phase_masks_advantages_and_denominators(denominator, env, spy_upstream_step):
+def test_phase_masks_advantages_and_denominators(denominator, mask_dtype, env, spy_upstream_step):
     args = make_args("--algo.lopti_eta", "0.5", "--algo.lopti_denominator", denominator)
-    run = train_round(env, Lopti, args)
+    run = train_round(env, Lopti, args, edit=lambda experience: setattr(experience, "action_mask", experience.action_mask.to(mask_dtype)))
     original = make_experience(env.rollout, make_actor(env, args))
     seen_tokens = {"low": 0, "high": 0}
     for call in spy_upstream_step:
+        assert call["mask"].dtype == mask_dtype  # the phase mask keeps the experience's mask dtype
         low = call["response"] & (call["old"].exp() < 0.5)
         expected = low if call["phase"] == "low" else call["response"] & ~low
         assert torch.equal(call["mask"].bool(), expected)
@@ -361,17 +372,22 @@ def test_quantile_phases_train_exactly_the_tokens_below_the_rounds_threshold(den
 
 @pytest.mark.parametrize("fused", ["off", "torch"])
 @pytest.mark.parametrize("denominator", ["all", "phase"])
-def test_eta_putting_every_token_in_one_phase_is_exactly_the_baseline(fused, denominator, env):
+def test_eta_putting_every_token_in_one_phase_is_exactly_the_baseline(fused, denominator, env, capsys):
     common = ["--actor.fused_loss", fused, "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
     baseline = train_round(env, Lopti, make_args(*common), gas=2)
     assert (baseline.experience.action_log_probs.exp()[baseline.experience.action_mask] < 1).all()
-    for eta, order in [("1.0", "low_first"), ("1e-30", "high_first")]:  # all "low" / all "high", first phase
+    # all "low" / all "high"; the empty phase second, then first
+    for eta, order in [("1.0", "low_first"), ("1e-30", "high_first"), ("1e-30", "low_first"), ("1.0", "high_first")]:
+        capsys.readouterr()
         flags = ["--algo.lopti_eta", eta, "--algo.lopti_order", order, "--algo.lopti_denominator", denominator]
         lopti = train_round(env, Lopti, make_args(*common, *flags), gas=2)
         assert len(lopti.strategy.steps) == len(baseline.strategy.steps) == 2  # the empty phase is skipped
         assert params_equal(lopti, baseline)
         assert lopti.status["policy_loss"] == baseline.status["policy_loss"]
         assert lopti.status["lopti/low_token_frac"] == (1.0 if eta == "1.0" else 0.0)
+        empty = "high" if eta == "1.0" else "low"
+        printed = capsys.readouterr().out
+        assert f"[openrlhf-lopti] Lopti: no '{empty}' tokens in this batch, phase skipped\n" in printed
 
 
 def test_first_phase_ignores_everything_about_the_other_tokens(env):
@@ -400,6 +416,124 @@ def test_second_phase_recomputes_the_forward_with_the_updated_weights(env, spy_u
         first.setdefault(call["phase"], call)
     assert first["low"]["drift"] < 1e-5  # untouched weights reproduce the rollout's log-probs
     assert first["high"]["drift"] > 1e-3  # after the low phase's optimizer steps: a fresh forward, new log-probs
+
+
+@pytest.mark.parametrize("gas, phases", [(2, ["low", "low", "high", "high"]), (3, ["low", "high"])])
+def test_every_phase_pass_ends_on_its_own_optimizer_step(gas, phases, env, spy_upstream_step):
+    """7 samples in micro-batches of 2: each pass has 3 micro-batches (DeepSpeed's DataLoader drops the odd
+    sample), which gas 2 or 3 does not divide. Each phase's last window still ends on an optimizer step, so no
+    gradient of one phase is stepped with the other's, and the engine is back on DeepSpeed's own micro-step counter
+    after the round."""
+    run = train_round(env, Lopti, make_args("--algo.lopti_eta", "0.5"), gas, samples=7)
+    assert [call["phase"] for call in spy_upstream_step] == ["low"] * 3 + ["high"] * 3
+    assert [step["phase"] for step in run.strategy.steps] == phases
+    assert run.actor.model._is_gradient_accumulation_boundary is None
+
+
+def test_everything_off_keeps_upstreams_own_accumulation_windows(env):
+    """With AR and Lopti off the boundaries are DeepSpeed's, as upstream's: 7 samples, 3 micro-batches, gas 2 take
+    one optimizer step (the third micro-batch's gradient waits for the next window), exactly as upstream."""
+    ours = train_round(env, Lopti, make_args(), gas=2, samples=7)
+    upstream = train_round(env, Upstream, make_args(), gas=2, samples=7)
+    assert len(ours.strategy.steps) == len(upstream.strategy.steps) == 1
+    assert params_equal(ours, upstream)
+
+
+def test_each_phase_trains_with_the_learning_rates_of_one_upstream_pass(env):
+    """With a warm-up the LR changes at every optimizer step: each phase's steps use the LRs that upstream's single
+    pass uses, and the RL step leaves the schedule where upstream's leaves it (it moves once per RL step)."""
+    schedule = ["--actor.lr_scheduler", "cosine_with_min_lr", "--actor.lr_warmup_ratio", "0.1"]
+    upstream = train_round(env, Upstream, make_args(*schedule))
+    lopti = train_round(env, Lopti, make_args(*schedule, "--algo.lopti_eta", "0.5"))
+    lrs = [step["lr"] for step in upstream.strategy.steps]
+    assert lrs == pytest.approx([0.0, 1e-4, 2e-4, 3e-4])  # warm-up over 10 of the 100 scheduler steps
+    assert [step["phase"] for step in lopti.strategy.steps] == ["low"] * 4 + ["high"] * 4
+    assert [step["lr"] for step in lopti.strategy.steps] == lrs + lrs
+    for trained in (upstream, lopti):
+        assert trained.trainer.actor_scheduler.last_epoch == 4
+        assert trained.trainer.actor_scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(4e-4)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_windows_without_tokens_of_the_phase_train_without_nans(aggregation, env, spy_upstream_step):
+    """``--algo.lopti_denominator phase`` counts the phase's tokens (token-mean) or sequences (seq-mean-token-mean)
+    per window; in a window with none the loss is a sum over nothing, and its denominator is 1 instead of 0
+    (0/0 would make every gradient NaN)."""
+
+    def only_response_0_is_low(experience):
+        low = torch.arange(len(experience.sequences))[:, None] == 0
+        p = torch.where(low, 0.1, 0.9).expand_as(experience.action_log_probs)
+        experience.action_log_probs = torch.log(p) * experience.action_mask
+
+    returned = []  # what our training_step hands back to upstream's ppo_train, per micro-batch
+    ours = Lopti.training_step
+
+    def record(self, *args, **kwargs):
+        returned.append((self.lopti_phase, ours(self, *args, **kwargs)))
+        return returned[-1][1]
+
+    env.monkeypatch.setattr(Lopti, "training_step", record)
+    flags = ["--algo.lopti_eta", "0.5", "--algo.lopti_denominator", "phase", "--actor.loss_agg_mode", aggregation]
+    run = train_round(env, Lopti, make_args(*flags), edit=only_response_0_is_low)
+    # a micro-batch without a token of its phase reports its masked means (0/0) as 0, with a weight of 1e-6
+    # in upstream's token-weighted metric means
+    empty_status = [status for phase, status in returned if phase == "low" and status["num_action_tokens"] < 1]
+    assert len(empty_status) == 3
+    for status in empty_status:
+        assert status["num_action_tokens"] == 1e-6
+        for key in ("ppo_clip_ratio", "ppo_kl"):
+            assert float(status["metrics"][key]) == 0.0, key
+    low_calls = [call for call in spy_upstream_step if call["phase"] == "low"]
+    assert len(low_calls) == 4
+    empty = [call for call in low_calls if not call["mask"].any()]
+    assert len(empty) == 3  # every micro-batch but response 0's
+    for call in empty:
+        assert call["batch_num_tokens"] == 1.0 and call["global_batch_size"] == 1.0
+    (with_low,) = [call for call in low_calls if call["mask"].any()]
+    assert with_low["batch_num_tokens"] == with_low["mask"].sum().item() and with_low["global_batch_size"] == 1.0
+    assert all(torch.isfinite(p).all() for p in run.actor.parameters())
+    assert all(math.isfinite(v) for v in run.status.values() if isinstance(v, (int, float)))
+
+
+def test_quantile_threshold_with_no_and_with_one_response_token(env):
+    args = make_args("--algo.lopti_eta", "0.3", "--algo.lopti_quantile", "0.5")
+    trainer, _ = make_trainer(env, Lopti, args, make_actor(env, args))
+    old = torch.log(torch.tensor([0.2, 0.6, 0.9]))
+    assert trainer._round_threshold(old, torch.tensor([False, False, False])) == 0.3  # nothing to take it of: eta
+    assert trainer._round_threshold(old, torch.tensor([False, True, False])) == pytest.approx(0.6)
+    assert trainer._round_threshold(old, torch.tensor([True, True, True])) == pytest.approx(0.6)  # the median
+
+
+@pytest.mark.parametrize(
+    "flags, where",
+    [
+        (["--algo.lopti_eta", "0.5"], "RL step 2, Lopti phase 'low', micro-batch 1 of the epoch"),
+        (["--algo.ar_alpha", "0.3"], "RL step 2, micro-batch 1 of the epoch"),
+    ],
+    ids=["lopti", "ar-only"],
+)
+def test_a_fused_loss_error_names_the_rl_step_phase_micro_batch_and_rank(flags, where, env):
+    """A NaN column of the output layer makes the kernel flag every row: the round fails before any backward,
+    with a message naming where (one rank here; several ranks: ``test_openrlhf_deepspeed.py``)."""
+    args = make_args(*flags, "--actor.fused_loss", "torch")
+    actor = make_actor(env, args)
+    trainer, strategy = make_trainer(env, Lopti, args, actor)
+    trainer.replay_buffer.append(make_experience(env.rollout, actor))
+    trainer.ppo_train(KL_CTL)  # RL step 1 trains
+    trainer.replay_buffer.clear()
+    trainer.replay_buffer.append(make_experience(env.rollout, actor))
+    with torch.no_grad():
+        actor.model.module.get_output_embeddings().weight[5].fill_(float("nan"))
+    before = [p.detach().clone() for p in actor.parameters()]
+    with pytest.raises(ValueError) as raised:
+        trainer.ppo_train(KL_CTL)
+    cause = raised.value.__cause__
+    assert isinstance(cause, ValueError) and "has NaN at column 5" in str(cause)
+    assert str(raised.value) == f"fused_policy_loss failed at {where}, on rank 0: {cause}"
+    assert len(strategy.steps) == (8 if "--algo.lopti_eta" in flags else 4)  # round 1's optimizer steps only
+    assert trainer.lopti_phase is None
+    for a, b in zip(before, actor.parameters()):  # no optimizer step, no gradient applied
+        torch.testing.assert_close(b.detach(), a, rtol=0, atol=0, equal_nan=True)
 
 
 # ---------------------------------------------------------------- AR, fused loss, upstream equality
@@ -597,14 +731,23 @@ def test_ar_changes_the_update_and_logs_the_mean_weight(env):
 
 
 # ---------------------------------------------------------------- metrics, quantile, dynamic batching
-def test_lopti_metrics_in_the_status(env):
+def test_lopti_metrics_in_the_status(env, capsys):
     flags = ["--algo.lopti_eta", "0.5", "--algo.ar_alpha", "0.3", "--actor.fused_loss", "torch"]
+    flags += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
+    started = time.perf_counter()
     run = train_round(env, Lopti, make_args(*flags))
+    elapsed = time.perf_counter() - started
     status = run.status
     old, mask = run.experience.action_log_probs, run.experience.action_mask
-    assert status["lopti/low_token_frac"] == pytest.approx((old.exp()[mask] < 0.5).float().mean().item())
+    low_frac = (old.exp()[mask] < 0.5).float().mean().item()
+    assert status["lopti/low_token_frac"] == pytest.approx(low_frac)
     assert status["lopti/threshold"] == 0.5
-    assert status["lopti/low/train_s"] > 0 and status["lopti/high/train_s"] > 0  # each phase's wall seconds
+    # each phase's wall seconds, within the round's
+    assert 0 < status["lopti/low/train_s"] and 0 < status["lopti/high/train_s"]
+    assert status["lopti/low/train_s"] + status["lopti/high/train_s"] < elapsed
+    printed = capsys.readouterr().out
+    assert f"[openrlhf-lopti] Lopti phase 'low': {low_frac:.1%} of the tokens\n" in printed
+    assert f"[openrlhf-lopti] Lopti phase 'high': {1 - low_frac:.1%} of the tokens\n" in printed
     for phase in ("low", "high"):
         for key in ("policy_loss", "ppo_clip_ratio", "actor_grad_norm", "ppo_kl"):
             assert f"lopti/{phase}/{key}" in status
@@ -613,6 +756,7 @@ def test_lopti_metrics_in_the_status(env):
     clip = share * status["lopti/low/ppo_clip_ratio"] + (1 - share) * status["lopti/high/ppo_clip_ratio"]
     assert status["ppo_clip_ratio"] == pytest.approx(clip)
     assert status["policy_loss"] == pytest.approx(status["lopti/low/policy_loss"] + status["lopti/high/policy_loss"])
+    assert status["kl"] == pytest.approx(status["lopti/low/kl"] + status["lopti/high/kl"])  # the KL loss's shares
     assert all(torch.isfinite(torch.tensor(float(v))) for v in status.values() if isinstance(v, (int, float)))
 
 
@@ -635,6 +779,9 @@ def test_merge_phase_status_rules():
     assert merge_phase_status(with_kl, share, "all", kl_is_loss=True)["kl"] == pytest.approx(0.3)
     rollout_kl = {name: {**status, "kl": 0.5} for name, status in statuses.items()}
     assert merge_phase_status(rollout_kl, share, "all", kl_is_loss=False)["kl"] == 0.5
+    # a per-token metric only one phase reported: the token-weighted mean over the phases that have it is its value
+    partial = {"low": {**statuses["low"], "vllm_kl": 0.4}, "high": statuses["high"]}
+    assert merge_phase_status(partial, share, "phase", kl_is_loss=True)["vllm_kl"] == pytest.approx(0.4)
 
 
 def test_quantile_sets_the_fraction_of_low_tokens(env):
@@ -642,6 +789,42 @@ def test_quantile_sets_the_fraction_of_low_tokens(env):
     probs = run.experience.action_log_probs.exp()[run.experience.action_mask]
     assert run.status["lopti/threshold"] == pytest.approx(torch.quantile(probs, 0.4).item(), rel=1e-6)
     assert run.status["lopti/low_token_frac"] == pytest.approx(0.4, abs=1.0 / probs.numel() + 1e-9)
+    assert "ar/mean_weight" not in run.status  # AR is off
+
+
+def test_tokens_at_the_threshold_train_in_the_high_phase(env, spy_upstream_step):
+    """Low means p < threshold, strictly, in the phase masks and in the counts alike: with most tokens at p = 0.5
+    the median is 0.5 itself, and those tokens are "high"."""
+
+    def three_low_responses(experience):
+        low = torch.arange(len(experience.sequences))[:, None] < 3
+        p = torch.where(low, 0.2, 0.5).expand_as(experience.action_log_probs)
+        experience.action_log_probs = torch.log(p) * experience.action_mask
+
+    args = make_args("--algo.lopti_eta", "0.9", "--algo.lopti_quantile", "0.5")
+    run = train_round(env, Lopti, args, edit=three_low_responses)
+    response = run.experience.action_mask
+    low = response & (torch.arange(len(response))[:, None] < 3)
+    assert run.status["lopti/threshold"] == pytest.approx(0.5)
+    assert run.status["lopti/low_token_frac"] == pytest.approx(low.sum().item() / response.sum().item())
+    assert {call["phase"] for call in spy_upstream_step} == {"low", "high"}
+    assert sum(call["mask"].sum().item() for call in spy_upstream_step if call["phase"] == "high") == (response & ~low).sum()
+
+
+def test_a_batch_of_one_response_token(env, spy_upstream_step):
+    """One token in the whole batch: its phase trains on it (a token mean over 1 token), the other is skipped."""
+
+    def one_token(experience):
+        keep = torch.zeros_like(experience.action_mask)
+        keep[0, 0] = True
+        experience.action_mask = keep
+        experience.action_log_probs = torch.where(keep, math.log(0.1), 0.0)  # its rollout p: 0.1, a low token
+        experience.advantages = experience.advantages * keep
+
+    run = train_round(env, Lopti, make_args("--algo.lopti_eta", "0.5"), edit=one_token)
+    assert run.status["lopti/low_token_frac"] == 1.0 and "lopti/high/train_s" not in run.status
+    assert [call["phase"] for call in spy_upstream_step] == ["low"] * 4
+    assert all(torch.isfinite(p).all() for p in run.actor.parameters())
 
 
 @pytest.mark.parametrize("fused", ["off", "torch"])
@@ -657,8 +840,11 @@ def test_dynamic_batching(fused, env, spy_upstream_step):
     spy_upstream_step.clear()
     lopti = train_round(env, Lopti, make_args(*dynamic, "--algo.lopti_eta", "0.5"))
     assert [step["phase"] for step in lopti.strategy.steps] == ["low", "low", "high", "high"]
-    for call in spy_upstream_step:  # "all": each step's denominator counts all response tokens of its samples
-        assert call["batch_num_tokens"] >= call["response"].sum().item()
+    buffer = lopti.trainer.replay_buffer
+    for call in spy_upstream_step:  # "all": each micro-batch's denominators are its optimizer step's totals
+        assert call["batch_num_tokens"] == buffer.dynamic_batch_num_tokens[call["step"]]
+        assert call["global_batch_size"] == buffer.dynamic_global_batch_size[call["step"]]
+    assert any(call["batch_num_tokens"] > call["response"].sum().item() for call in spy_upstream_step)
     assert all(torch.isfinite(p).all() for p in lopti.actor.parameters())
 
 
@@ -707,12 +893,38 @@ def test_every_advantage_estimator(estimator, env):
     ],
 )
 def test_trainer_rejects_what_cannot_work_at_start_up(edit, message, env):
-    args = make_args()  # valid; then edited the way a caller building args by hand could
+    args = edited_args(edit)
+    with pytest.raises(ValueError, match=message):
+        make_trainer(env, Lopti, args, make_actor(env, args))
+
+
+def edited_args(edit: dict):
+    """Valid parsed args, then edited the way a caller building args by hand could (past the parser's checks)."""
+    args = make_args()
     for dotted, value in edit.items():
         *sections, name = dotted.split(".")
         setattr(functools.reduce(getattr, sections, args), name, value)
-    with pytest.raises(ValueError, match=message):
+    return args
+
+
+def test_start_up_says_which_policy_loss_runs(env, capsys):
+    blocked = {"actor.fused_loss": "auto", "actor.policy_loss_type": "gspo", "algo.advantage.is_correction_level": "token"}
+    expected = [
+        ({"actor.fused_loss": "torch"}, "[openrlhf-lopti] fused policy loss: --actor.fused_loss torch -> torch"),
+        (
+            blocked,
+            "[openrlhf-lopti] --actor.fused_loss auto: using upstream's PolicyLoss because of --actor.policy_loss_type "
+            "gspo (sequence-level ratio); --algo.advantage.is_correction_level (train/rollout importance-sampling "
+            "correction)",
+        ),
+        ({"actor.fused_loss": "off"}, None),
+    ]
+    for edit, line in expected:
+        capsys.readouterr()
+        args = edited_args(edit)
         make_trainer(env, Lopti, args, make_actor(env, args))
+        said = [s for s in capsys.readouterr().out.splitlines() if "policy loss" in s or "PolicyLoss" in s]
+        assert said == ([line] if line else []), edit
 
 
 # ---------------------------------------------------------------- the Ray actor class, in process
