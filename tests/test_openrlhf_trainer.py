@@ -62,7 +62,8 @@ def record_optimizer_steps(engine, trainer, record_grads: bool) -> list:
         out = step(*args, **kwargs)
         if boundary:
             params_after = [p.detach().clone() for p in params]
-            steps.append({"phase": getattr(trainer, "lopti_phase", None), "grads": grads, "params": params_after, "lr": lr})
+            phase = getattr(trainer, "lopti_phase", None)
+            steps.append({"phase": phase, "grads": grads, "params": params_after, "lr": lr})
         return out
 
     engine.step = recorded
@@ -329,7 +330,10 @@ def test_phases_run_in_order_each_a_full_pass_with_its_optimizer_steps(order, en
 @pytest.mark.parametrize("denominator", ["all", "phase"])
 def test_phase_masks_advantages_and_denominators(denominator, mask_dtype, env, spy_upstream_step):
     args = make_args("--algo.lopti_eta", "0.5", "--algo.lopti_denominator", denominator)
-    run = train_round(env, Lopti, args, edit=lambda experience: setattr(experience, "action_mask", experience.action_mask.to(mask_dtype)))
+    def mask_in_dtype(experience):
+        experience.action_mask = experience.action_mask.to(mask_dtype)
+
+    run = train_round(env, Lopti, args, edit=mask_in_dtype)
     original = make_experience(env.rollout, make_actor(env, args))
     seen_tokens = {"low": 0, "high": 0}
     for call in spy_upstream_step:
@@ -808,7 +812,8 @@ def test_tokens_at_the_threshold_train_in_the_high_phase(env, spy_upstream_step)
     assert run.status["lopti/threshold"] == pytest.approx(0.5)
     assert run.status["lopti/low_token_frac"] == pytest.approx(low.sum().item() / response.sum().item())
     assert {call["phase"] for call in spy_upstream_step} == {"low", "high"}
-    assert sum(call["mask"].sum().item() for call in spy_upstream_step if call["phase"] == "high") == (response & ~low).sum()
+    high_tokens = sum(call["mask"].sum().item() for call in spy_upstream_step if call["phase"] == "high")
+    assert high_tokens == (response & ~low).sum()
 
 
 def test_a_batch_of_one_response_token(env, spy_upstream_step):
@@ -908,7 +913,9 @@ def edited_args(edit: dict):
 
 
 def test_start_up_says_which_policy_loss_runs(env, capsys):
-    blocked = {"actor.fused_loss": "auto", "actor.policy_loss_type": "gspo", "algo.advantage.is_correction_level": "token"}
+    blocked = {
+        "actor.fused_loss": "auto", "actor.policy_loss_type": "gspo", "algo.advantage.is_correction_level": "token",
+    }  # fmt: skip
     expected = [
         ({"actor.fused_loss": "torch"}, "[openrlhf-lopti] fused policy loss: --actor.fused_loss torch -> torch"),
         (

@@ -201,7 +201,8 @@ class _LaunchSpy:
 
 
 def _spy_on_kernels(monkeypatch) -> dict:
-    spies = {name: _LaunchSpy(getattr(kernels, name)) for name in ("_policy_loss_fwd_kernel", "_policy_loss_bwd_kernel")}
+    names = ("_policy_loss_fwd_kernel", "_policy_loss_bwd_kernel")
+    spies = {name: _LaunchSpy(getattr(kernels, name)) for name in names}
     for name, spy in spies.items():
         monkeypatch.setattr(kernels, name, spy)
     return spies
@@ -302,7 +303,9 @@ def test_defaults_are_the_textbook_loss():
     with mock.patch.dict(os.environ, _launch_env(block_v=16)):
         out, bad_rows = _direct(leaf, ref_log_probs=leaf["ref_log_probs"])
     out.loss.sum().backward()
-    defaults = dict(alpha=0.0, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", temperature=1.0)
+    defaults = dict(
+        alpha=0.0, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", temperature=1.0
+    )
     cpu = {k: None if v is None else v.cpu() for k, v in inputs.items()}
     logits = cpu["logits"].clone().requires_grad_(True)
     want = textbook_policy_loss(cpu, defaults, logits)
@@ -325,8 +328,9 @@ def test_what_each_launch_receives(monkeypatch):
     half = dict(inputs, **{k: inputs[k].to(torch.bfloat16) for k in ("old_log_probs", "advantages", "ref_log_probs")})
     monkeypatch.setenv(kernels.ENV_NUM_WARPS, "2")
     monkeypatch.setenv(kernels.ENV_BLOCK_V, "16")
-    opts = {k: v for k, v in options(case).items()}
-    want = textbook_policy_loss({k: None if v is None else v.cpu() for k, v in half.items()}, opts, inputs["logits"].cpu())
+    opts = options(case)
+    on_cpu = {k: None if v is None else v.cpu() for k, v in half.items()}
+    want = textbook_policy_loss(on_cpu, opts, inputs["logits"].cpu())
     for entropy_used in (False, True):
         spies = _spy_on_kernels(monkeypatch)
         leaf = _leaf(half)
