@@ -23,6 +23,7 @@ Usage: ``python tools/mutation.py [--only NAME[,NAME...]] [--jobs N] [--tree DIR
 """
 
 import argparse
+import ast
 import json
 import shutil
 import subprocess
@@ -94,13 +95,38 @@ def snapshot(tree: Path, out: Path) -> Path:
     return copy
 
 
+# Decorators that only wrap the function they decorate. mutmut never mutates a decorated function, so in the copy
+# ``@contextmanager def f`` becomes ``def f`` followed by ``f = contextmanager(f)`` (what the decorator does): the
+# bodies of the trainer's context managers and of its ``@torch.no_grad()`` pass are then mutated like any other.
+UNDECORATED = ("contextmanager", "torch.no_grad()")
+
+
+def undecorate(source: str) -> str:
+    """``source`` with every function whose only decorator is in :data:`UNDECORATED` rewritten as a plain ``def``
+    and an assignment applying the decorator right after the function's body."""
+    lines = source.splitlines(keepends=True)
+    rewrites = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and len(node.decorator_list) == 1:
+            decorator = ast.get_source_segment(source, node.decorator_list[0])
+            if decorator in UNDECORATED:
+                rewrites.append((node.decorator_list[0].lineno, node.end_lineno, node.col_offset, node.name, decorator))
+    for decorator_line, end_line, column, name, decorator in sorted(rewrites, reverse=True):
+        lines.insert(end_line, f"{' ' * column}{name} = {decorator}({name})\n")
+        del lines[decorator_line - 1]
+    return "".join(lines)
+
+
 def prepare(name: str, tree: Path, out: Path) -> Path:
-    """A fresh copy of the snapshot for one module, with its mutmut configuration."""
+    """A fresh copy of the snapshot for one module (its decorated functions rewritten by :func:`undecorate`), with
+    its mutmut configuration."""
     module, tests = MODULES[name]
     work = out / name
     if work.exists():
         shutil.rmtree(work)
     shutil.copytree(tree, work)
+    for path in work.glob(module):
+        path.write_text(undecorate(path.read_text()))
     if name in PRELOADED:
         with open(work / "tests" / "conftest.py", "a") as conftest:
             conftest.write(PRELOAD)
