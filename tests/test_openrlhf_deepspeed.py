@@ -99,7 +99,7 @@ def test_kl_loss_share_is_summed_over_phases(model, tmp_path):
 
 
 def test_quantile_threshold_is_one_for_all_data_parallel_ranks_under_zero3(model, tmp_path):
-    flags = ("--algo.lopti_eta", "0.5", "--algo.lopti_quantile", "0.5", "--train.batch_size", "8")
+    flags = ("--algo.lopti_eta", "0.5", "--algo.lopti_quantile", "0.5", "--train.batch_size", "8", "--algo.track_direction")
     cfg = config(model, *flags, steps=1, samples=8, low_p_per_rank=[0.9, 0.1], kl_in_reward=False)
     zero2 = ok(run_ranks(tmp_path, 2, cfg))
     zero3 = ok(run_ranks(tmp_path, 2, {**cfg, "argv": cfg["argv"] + ["--ds.zero_stage", "3"]}))
@@ -110,6 +110,11 @@ def test_quantile_threshold_is_one_for_all_data_parallel_ranks_under_zero3(model
         probs.append(experience.action_log_probs.exp()[experience.action_mask])
     expected = quantile_threshold(torch.cat(probs), 0.5)
     assert thresholds == [pytest.approx(expected, rel=1e-6)] * 2
+    # --algo.track_direction: every rank logs the direction counts summed over both ranks' tokens
+    for result in zero2 + zero3:
+        status = result["steps"][0]["status"]
+        counted = sum(value for key, value in status.items() if key.startswith("direction/tokens_"))
+        assert counted == sum(len(p) for p in probs)
     # ZeRO-3 (parameters partitioned over the two ranks) trains the same parameters as ZeRO-2
     for a, b in zip(zero2, zero3):
         assert_same_update(b["steps"][0], a["steps"][0], b["initial_params"])

@@ -560,10 +560,12 @@ def test_everything_off_is_upstream_exactly(env, eager_entropy):
     assert ours.status == upstream.status
 
 
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("alpha", ["0", "0.3"])
-def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, env):
+def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, aggregation, env):
     flags = ["--algo.ar_alpha", alpha, "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.dual_clip", "3"]
+    flags += ["--actor.loss_agg_mode", aggregation]
     if packing:
         flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
     # reference: upstream's trainer and PolicyLoss, with AR written out here on the experience's advantages
@@ -638,6 +640,7 @@ def test_fused_loss_never_makes_an_fp32_copy_of_the_logits(packing, env):
 
     assert cpp_available()  # "auto" on CPU: the C++ kernel, which reads bf16 logits without upcasting them
     flags = ["--actor.entropy_coef", "0.01", "--rollout.temperature", "0.7", "--algo.ar_alpha", "0.3"]
+    flags += ["--algo.track_direction"]  # its forward-only pass after the update goes through the kernels too
     if packing:
         flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
     spies = {}
@@ -674,7 +677,7 @@ def test_forward_only_passes_through_the_kernels_give_upstream_log_probs(lm_head
 
 
 @pytest.mark.parametrize(
-    "variant", ["plain", "tied", "packed", "gradient_checkpointing", "lora"],
+    "variant", ["plain", "tied", "packed", "gradient_checkpointing", "lora", "bias"],
 )
 def test_fused_lm_head_trains_like_the_fused_logits_loss(variant, env, eager_entropy):
     """Same loss, entropy, KL and parameter gradients, whether the kernels read the logits or the lm_head makes
@@ -691,6 +694,11 @@ def test_fused_lm_head_trains_like_the_fused_logits_loss(variant, env, eager_ent
         model.load_state_dict(env.state, strict=False)
         if variant == "tied":
             model.tie_weights()
+        if variant == "bias":  # an output layer with a bias (Llama's has none)
+            head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+            head.weight.data.copy_(model.lm_head.weight.data)
+            head.bias.data.copy_(torch.linspace(-2.0, 2.0, config.vocab_size))
+            model.lm_head = head
         if variant == "gradient_checkpointing":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if variant == "lora":
@@ -713,6 +721,7 @@ def test_fused_lm_head_trains_like_the_fused_logits_loss(variant, env, eager_ent
         runs[name] = SimpleNamespace(status=trainer.ppo_train(KL_CTL), steps=strategy.steps)
     assert [step["phase"] for step in runs["lm_head"].steps] == ["low"] * 4 + ["high"] * 4
     for a, b in zip(runs["lm_head"].steps, runs["logits"].steps):
+        assert len(a["grads"]) == len(b["grads"])
         for x, y in zip(a["grads"], b["grads"]):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
     for key in ("policy_loss", "entropy_loss", "kl", "ppo_clip_ratio", "lopti/low/policy_loss"):
