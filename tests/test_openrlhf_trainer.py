@@ -565,18 +565,26 @@ def test_everything_off_is_upstream_exactly(env, eager_entropy):
 @pytest.mark.parametrize("alpha", ["0", "0.3"])
 def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, aggregation, env):
     flags = ["--algo.ar_alpha", alpha, "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.dual_clip", "3"]
-    flags += ["--actor.loss_agg_mode", aggregation]
+    flags += ["--actor.loss_agg_mode", aggregation, "--actor.eps_clip_low_high", "0.1", "0.3"]  # not the kernel's 0.2
     if packing:
         flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
     # reference: upstream's trainer and PolicyLoss, with AR written out here on the experience's advantages
     a = float(alpha)
 
+    def off_policy(experience):  # rollout log-probs 0.4 nats around the actor's: both clip bounds bind at step 1
+        noise = torch.randn(experience.action_log_probs.shape, generator=torch.Generator().manual_seed(6))
+        experience.action_log_probs = (experience.action_log_probs + 0.4 * noise) * experience.action_mask
+
     def reweight(experience):
+        off_policy(experience)
         experience.advantages = experience.advantages * (a * experience.action_log_probs.exp() + 1 - a)
 
     reference = train_round(env, Upstream, make_args(*flags, "--actor.fused_loss", "off"), record_grads=True, edit=reweight)
-    fused = train_round(env, Lopti, make_args(*flags, "--actor.fused_loss", "torch"), record_grads=True)
+    fused = train_round(env, Lopti, make_args(*flags, "--actor.fused_loss", "torch"), record_grads=True, edit=off_policy)
     assert fused.trainer.fused_backend == "torch" and fused.actor.packing_samples == packing
+    ratio = (-0.4 * torch.randn(fused.experience.action_log_probs.shape, generator=torch.Generator().manual_seed(6))).exp()
+    advantages, response = fused.experience.advantages, fused.experience.action_mask
+    assert (response & (advantages < 0) & (ratio < 0.9) & (ratio > 0.8)).any()  # clipped at 0.1, not at 0.2
     assert len(fused.strategy.steps) == len(reference.strategy.steps) == 4
     for x, y in zip(fused.strategy.steps[0]["grads"], reference.strategy.steps[0]["grads"]):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
@@ -663,6 +671,23 @@ def test_fused_loss_never_makes_an_fp32_copy_of_the_logits(packing, env):
     assert spies["auto"].float32() == []
 
 
+def test_fused_lm_head_never_makes_the_logits(env):
+    """With --actor.fused_lm_head no [B, T, V] logits exist in a whole step: experience making, the Lopti phases'
+    training and --algo.track_direction's pass after it (only [chunk, V] pieces, one chunk at a time)."""
+    flags = ["--actor.fused_loss", "torch", "--actor.fused_lm_head", "--algo.lopti_eta", "0.5"]
+    flags += ["--algo.track_direction", "--actor.entropy_coef", "0.01"]
+    args = make_args(*flags)
+    actor = make_actor(env, args)
+    trainer, strategy = make_trainer(env, Lopti, args, actor)
+    experience = make_experience(env.rollout, actor)
+    with VocabSizedTensorSpy() as spy:
+        experience.action_log_probs = experience_making(actor, env.rollout, trainer.fused_backend, lm_head=True)
+        trainer.replay_buffer.append(experience)
+        status = trainer.ppo_train(KL_CTL)
+    assert len(strategy.steps) == 8 and "direction/pos_up_q1" in status
+    assert spy.vocab_sized and all(len(shape) == 2 for _, _, shape in spy.vocab_sized), spy.vocab_sized
+
+
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("lm_head", [False, True], ids=["logits", "lm_head"])
 def test_forward_only_passes_through_the_kernels_give_upstream_log_probs(lm_head, packing, env):
@@ -677,14 +702,15 @@ def test_forward_only_passes_through_the_kernels_give_upstream_log_probs(lm_head
 
 
 @pytest.mark.parametrize(
-    "variant", ["plain", "tied", "packed", "gradient_checkpointing", "lora", "bias"],
+    "variant", ["plain", "tied", "packed", "gradient_checkpointing", "lora", "bias", "no_entropy"],
 )
 def test_fused_lm_head_trains_like_the_fused_logits_loss(variant, env, eager_entropy):
     """Same loss, entropy, KL and parameter gradients, whether the kernels read the logits or the lm_head makes
     them chunk by chunk (here for every weight the model has: with tied embeddings the lm_head IS the input
     embedding, whose gradient then sums both uses)."""
-    flags = ["--actor.entropy_coef", "0.5", "--rollout.temperature", "0.7", "--algo.lopti_eta", "0.5"]
+    flags = ["--rollout.temperature", "0.7", "--algo.lopti_eta", "0.5"]
     flags += ["--algo.ar_alpha", "0.3", "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.fused_loss", "torch"]
+    flags += [] if variant == "no_entropy" else ["--actor.entropy_coef", "0.5"]  # no entropy: upstream asks for none
     flags += ["--ds.packing_samples", "--vllm.num_engines", "1"] if variant == "packed" else []
     config = copy.deepcopy(env.config)
     config.tie_word_embeddings = variant == "tied"
@@ -724,7 +750,9 @@ def test_fused_lm_head_trains_like_the_fused_logits_loss(variant, env, eager_ent
         assert len(a["grads"]) == len(b["grads"])
         for x, y in zip(a["grads"], b["grads"]):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
-    for key in ("policy_loss", "entropy_loss", "kl", "ppo_clip_ratio", "lopti/low/policy_loss"):
+    keys = ["policy_loss", "kl", "ppo_clip_ratio", "lopti/low/policy_loss"]
+    keys += [] if variant == "no_entropy" else ["entropy_loss"]
+    for key in keys:
         assert runs["lm_head"].status[key] == pytest.approx(runs["logits"].status[key], rel=1e-4, abs=1e-7), key
 
 
