@@ -579,13 +579,15 @@ def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, aggregat
         off_policy(experience)
         experience.advantages = experience.advantages * (a * experience.action_log_probs.exp() + 1 - a)
 
-    reference = train_round(env, Upstream, make_args(*flags, "--actor.fused_loss", "off"), record_grads=True, edit=reweight)
-    fused = train_round(env, Lopti, make_args(*flags, "--actor.fused_loss", "torch"), record_grads=True, edit=off_policy)
+    # gas 2: each optimizer step's loss is one mean over both micro-batches' tokens (upstream's loss_batch_info)
+    upstream_args = make_args(*flags, "--actor.fused_loss", "off")
+    reference = train_round(env, Upstream, upstream_args, gas=2, record_grads=True, edit=reweight)
+    fused = train_round(env, Lopti, make_args(*flags, "--actor.fused_loss", "torch"), gas=2, record_grads=True, edit=off_policy)
     assert fused.trainer.fused_backend == "torch" and fused.actor.packing_samples == packing
     ratio = (-0.4 * torch.randn(fused.experience.action_log_probs.shape, generator=torch.Generator().manual_seed(6))).exp()
     advantages, response = fused.experience.advantages, fused.experience.action_mask
     assert (response & (advantages < 0) & (ratio < 0.9) & (ratio > 0.8)).any()  # clipped at 0.1, not at 0.2
-    assert len(fused.strategy.steps) == len(reference.strategy.steps) == 4
+    assert len(fused.strategy.steps) == len(reference.strategy.steps) == 2
     for x, y in zip(fused.strategy.steps[0]["grads"], reference.strategy.steps[0]["grads"]):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
     for key in ("policy_loss", "kl", "ppo_clip_ratio", "ppo_kl"):
