@@ -11,8 +11,9 @@ mutmut runs each mutant with the tests that executed the mutated function (found
 the selected files), stopping at the first failure, in processes forked from a server that has already
 imported torch (``process_isolation = forkserver``: forking the pytest process itself is not safe with torch's
 thread pools). What mutmut does not mutate: code at module level (constants such as the clamp bounds) and
-decorated functions other than static/class methods, i.e. the ``@triton.jit`` kernels; TESTING.md says how
-those are covered.
+decorated functions other than static/class methods. Functions decorated only with ``@contextmanager`` or
+``@torch.no_grad()`` are rewritten in the copy so that they are mutated (:func:`undecorate`); that leaves the
+``@triton.jit`` kernels, and TESTING.md says how those are covered.
 
 Writes ``build/mutation/report.md`` (the score of each module and every mutant that was not killed, with its
 diff) and ``build/mutation/report.json``. Not part of ``make test`` or CI: the whole run takes tens of
