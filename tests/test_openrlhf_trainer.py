@@ -237,6 +237,18 @@ def train_round(env, cls, args, gas=1, record_grads=False, edit=None, samples=No
     return SimpleNamespace(trainer=trainer, strategy=strategy, status=status, actor=actor, experience=experience)
 
 
+def rollout_probs(low_responses: int, low_p: float, high_p: float):
+    """An ``edit`` for :func:`train_round`: rollout probability ``low_p`` on every token of the first
+    ``low_responses`` responses, ``high_p`` on the others'."""
+
+    def edit(experience):
+        low = torch.arange(len(experience.sequences))[:, None] < low_responses
+        p = torch.where(low, low_p, high_p).expand_as(experience.action_log_probs)
+        experience.action_log_probs = torch.log(p) * experience.action_mask
+
+    return edit
+
+
 def params_equal(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.actor.parameters(), b.actor.parameters()))
 
@@ -463,12 +475,6 @@ def test_windows_without_tokens_of_the_phase_train_without_nans(aggregation, env
     """``--algo.lopti_denominator phase`` counts the phase's tokens (token-mean) or sequences (seq-mean-token-mean)
     per window; in a window with none the loss is a sum over nothing, and its denominator is 1 instead of 0
     (0/0 would make every gradient NaN)."""
-
-    def only_response_0_is_low(experience):
-        low = torch.arange(len(experience.sequences))[:, None] == 0
-        p = torch.where(low, 0.1, 0.9).expand_as(experience.action_log_probs)
-        experience.action_log_probs = torch.log(p) * experience.action_mask
-
     returned = []  # what our training_step hands back to upstream's ppo_train, per micro-batch
     ours = Lopti.training_step
 
@@ -478,7 +484,7 @@ def test_windows_without_tokens_of_the_phase_train_without_nans(aggregation, env
 
     env.monkeypatch.setattr(Lopti, "training_step", record)
     flags = ["--algo.lopti_eta", "0.5", "--algo.lopti_denominator", "phase", "--actor.loss_agg_mode", aggregation]
-    run = train_round(env, Lopti, make_args(*flags), edit=only_response_0_is_low)
+    run = train_round(env, Lopti, make_args(*flags), edit=rollout_probs(1, low_p=0.1, high_p=0.9))
     # a micro-batch without a token of its phase reports its masked means (0/0) as 0, with a weight of 1e-6
     # in upstream's token-weighted metric means
     empty_status = [status for phase, status in returned if phase == "low" and status["num_action_tokens"] < 1]
@@ -838,14 +844,8 @@ def test_quantile_sets_the_fraction_of_low_tokens(env):
 def test_tokens_at_the_threshold_train_in_the_high_phase(env, spy_upstream_step):
     """Low means p < threshold, strictly, in the phase masks and in the counts alike: with most tokens at p = 0.5
     the median is 0.5 itself, and those tokens are "high"."""
-
-    def three_low_responses(experience):
-        low = torch.arange(len(experience.sequences))[:, None] < 3
-        p = torch.where(low, 0.2, 0.5).expand_as(experience.action_log_probs)
-        experience.action_log_probs = torch.log(p) * experience.action_mask
-
     args = make_args("--algo.lopti_eta", "0.9", "--algo.lopti_quantile", "0.5")
-    run = train_round(env, Lopti, args, edit=three_low_responses)
+    run = train_round(env, Lopti, args, edit=rollout_probs(3, low_p=0.2, high_p=0.5))
     response = run.experience.action_mask
     low = response & (torch.arange(len(response))[:, None] < 3)
     assert run.status["lopti/threshold"] == pytest.approx(0.5)
@@ -924,6 +924,15 @@ def test_every_advantage_estimator(estimator, env):
 
 
 # ---------------------------------------------------------------- start-up errors
+def edited_args(edit: dict):
+    """Valid parsed args, then edited the way a caller building args by hand could (past the parser's checks)."""
+    args = make_args()
+    for dotted, value in edit.items():
+        *sections, name = dotted.split(".")
+        setattr(functools.reduce(getattr, sections, args), name, value)
+    return args
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -940,15 +949,6 @@ def test_trainer_rejects_what_cannot_work_at_start_up(edit, message, env):
     args = edited_args(edit)
     with pytest.raises(ValueError, match=message):
         make_trainer(env, Lopti, args, make_actor(env, args))
-
-
-def edited_args(edit: dict):
-    """Valid parsed args, then edited the way a caller building args by hand could (past the parser's checks)."""
-    args = make_args()
-    for dotted, value in edit.items():
-        *sections, name = dotted.split(".")
-        setattr(functools.reduce(getattr, sections, args), name, value)
-    return args
 
 
 def test_start_up_says_which_policy_loss_runs(env, capsys):

@@ -183,17 +183,15 @@ def test_masked_rows_are_never_read():
 
 
 class _LaunchSpy:
-    """Stands in for a kernel: records each launch's arguments (``launches``) and the logits pointer and row
-    stride (``logits``), then launches it."""
+    """Stands in for a kernel: records each launch's ``(args, kwargs)`` in ``launches``, then launches it."""
 
     def __init__(self, kernel):
-        self.kernel, self.logits, self.launches = kernel, [], []
+        self.kernel, self.launches = kernel, []
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
-            self.logits.append((args[0].data_ptr(), args[1]))
             self.launches.append((args, kwargs))
             return launch(*args, **kwargs)
 
@@ -225,7 +223,8 @@ def test_strided_rows_are_read_in_place(monkeypatch):
         (got.loss.sum() + got.entropy.sum()).backward()
         for name in ("loss", "logp", "kl", "entropy"):
             torch.testing.assert_close(getattr(got, name), getattr(want, name).detach(), rtol=1e-5, atol=1e-5)
-        launched = [spy.logits for spy in spies.values()]
+        # the logits pointer and row stride each launch received
+        launched = [[(args[0].data_ptr(), args[1]) for args, _ in spy.launches] for spy in spies.values()]
         if logits is sliced:
             assert launched == [[(sliced.data_ptr(), case.v + 13)]] * 2, launched
         else:  # a copy with contiguous rows, made once and read by both kernels
@@ -244,13 +243,19 @@ def test_clamps_are_the_literal_bounds(name):
     with mock.patch.dict(os.environ, _launch_env(block_v=32)):
         got = _call(leaf, backend="triton", **opts)
     got.loss.sum().backward()
+    want, want_grad = _textbook(inputs, opts)
+    for field in ("loss", "kl"):
+        torch.testing.assert_close(getattr(got, field).cpu().double(), want[field].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(leaf["logits"].grad.cpu().double(), want_grad.double(), rtol=1e-4, atol=1e-6)
+
+
+def _textbook(inputs: dict, opts: dict):
+    """``textbook_policy_loss`` on a CPU copy of ``inputs`` with its summed loss backpropagated: (values, logits grad)."""
     cpu = {k: None if v is None else v.cpu() for k, v in inputs.items()}
     logits = cpu["logits"].clone().requires_grad_(True)
     want = textbook_policy_loss(cpu, opts, logits)
     want["loss"].sum().backward()
-    for field in ("loss", "kl"):
-        torch.testing.assert_close(getattr(got, field).cpu().double(), want[field].detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(leaf["logits"].grad.cpu().double(), logits.grad.double(), rtol=1e-4, atol=1e-6)
+    return want, logits.grad
 
 
 def test_only_per_row_vectors_are_saved_for_backward():
@@ -306,17 +311,14 @@ def test_defaults_are_the_textbook_loss():
     defaults = dict(
         alpha=0.0, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", temperature=1.0
     )
-    cpu = {k: None if v is None else v.cpu() for k, v in inputs.items()}
-    logits = cpu["logits"].clone().requires_grad_(True)
-    want = textbook_policy_loss(cpu, defaults, logits)
-    want["loss"].sum().backward()
-    ratio = (want["logp"] - cpu["old_log_probs"].double()).exp()[cpu["mask"]]
+    want, want_grad = _textbook(inputs, defaults)
+    ratio = (want["logp"] - inputs["old_log_probs"].cpu().double()).exp()[inputs["mask"].cpu()]
     assert (ratio < 0.8).any() and (ratio > 1.2).any()  # both clip bounds are crossed
     assert out.entropy is None and not bad_rows.any()
     for field in ("loss", "logp", "kl"):
         torch.testing.assert_close(getattr(out, field).cpu().double(), want[field].detach(), rtol=1e-5, atol=1e-5)
     assert torch.equal(out.clipped.cpu(), want["clipped"])
-    torch.testing.assert_close(leaf["logits"].grad.cpu().double(), logits.grad.double(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(leaf["logits"].grad.cpu().double(), want_grad.double(), rtol=1e-4, atol=1e-6)
 
 
 def test_what_each_launch_receives(monkeypatch):
@@ -329,8 +331,7 @@ def test_what_each_launch_receives(monkeypatch):
     monkeypatch.setenv(kernels.ENV_NUM_WARPS, "2")
     monkeypatch.setenv(kernels.ENV_BLOCK_V, "16")
     opts = options(case)
-    on_cpu = {k: None if v is None else v.cpu() for k, v in half.items()}
-    want = textbook_policy_loss(on_cpu, opts, inputs["logits"].cpu())
+    want, _ = _textbook(half, opts)
     for entropy_used in (False, True):
         spies = _spy_on_kernels(monkeypatch)
         leaf = _leaf(half)
