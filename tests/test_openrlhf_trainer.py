@@ -9,6 +9,7 @@ estimators, ``PolicyModelActor.init_model_from_pretrained``, and the DeepSpeed e
 """
 
 import copy
+from contextlib import nullcontext
 import functools
 import math
 import os
@@ -41,6 +42,8 @@ from openrlhf_lopti.openrlhf.actor import LoptiPolicyModelActor  # noqa: E402
 from openrlhf_lopti.openrlhf.cpu.strategy import get_cpu_strategy  # noqa: E402
 from openrlhf_lopti.openrlhf.fused import fused_log_probs  # noqa: E402
 from openrlhf_lopti.openrlhf.trainer import LoptiActorPPOTrainer, merge_phase_status  # noqa: E402
+
+from .numerics import Float64Shadow, assert_all_same_computation, assert_same_computation, scalars_same_computation  # noqa: E402
 
 VOCAB, PROMPT, RESPONSE = 64, 5, 6
 PROMPTS, SAMPLES = 2, 4  # 8 responses: 2 prompts x 4 samples (GRPO groups)
@@ -279,13 +282,56 @@ def upstream_lopti_round(env, flags, eta: float, alpha: float, edit=None):
     return SimpleNamespace(strategy=strategy, statuses=statuses, actor=actor, experience=experience, low=low)
 
 
-def assert_first_step_of_each_phase_matches(ours, reference):
+@pytest.fixture
+def float64(monkeypatch):
+    """Runs rounds in float64: ``with float64(): train_round(...)`` (:class:`tests.numerics.Float64Shadow`).
+
+    Test-only widenings that let the same code take float64: DeepSpeed's CPU accelerator lists no float64 among
+    the gradient dtypes it all-reduces (gloo reduces float64 as well), and the fused loss's torch backend is asked
+    for float32/bf16/fp16 logits only (the reference's math is dtype-generic; the C++ and Triton kernels are not,
+    so the float64 rounds use ``--actor.fused_loss torch`` or ``off``)."""
+    import sys
+
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    dtypes = accelerator.supported_dtypes
+    monkeypatch.setattr(accelerator, "supported_dtypes", lambda: [*dtypes(), torch.float64])
+    for name in ("fused_policy_loss", "fused_linear_policy_loss"):  # the [N, V] logits and the [N, H] hidden states
+        module = sys.modules[f"openrlhf_lopti.ops.{name}"]
+        monkeypatch.setattr(module, "LOGITS_DTYPES", (*module.LOGITS_DTYPES, torch.float64))
+    return Float64Shadow
+
+
+def inputs_of(run32, then=None):
+    """An ``edit`` for the float64 round of a comparison: the fp32 round's rollout and reference log-probs and
+    advantages (after its own edit), as float64, then ``then(experience)`` if given. Both rounds then start from the
+    same numbers (the same tokens in each Lopti phase, the same clip decisions), so what differs between them is the
+    rounding of the computation."""
+
+    def edit(experience):
+        for key in ("action_log_probs", "base_action_log_probs", "advantages", "returns"):
+            setattr(experience, key, getattr(run32.experience, key).double())
+        if then is not None:
+            then(experience)
+
+    return edit
+
+
+def assert_same_update(ours, reference, ours64, reference64, steps) -> None:
+    """The gradients of optimizer ``steps`` are the same computation in ``ours`` and ``reference`` (fp32 rounds) by the
+    rule of :mod:`tests.numerics`: their float64 rounds agree to float64 rounding, and, for step 0 (taken at the
+    round's starting weights, before any AdamW step), neither fp32 round is much less accurate than the other."""
+    for i in steps:
+        grads = [run.strategy.steps[i]["grads"] for run in (ours, reference, ours64, reference64)]
+        assert_all_same_computation(f"gradients of optimizer step {i}", *grads, precision=i == 0)
+
+
+def assert_first_step_of_each_phase_matches(ours, reference, ours64, reference64):
     """The gradients of the first optimizer step of each phase (4 steps each) equal the reference's."""
     assert [step["phase"] for step in ours.strategy.steps] == ["low"] * 4 + ["high"] * 4
-    assert len(reference.strategy.steps) == 8
-    for i in (0, 4):
-        for x, y in zip(ours.strategy.steps[i]["grads"], reference.strategy.steps[i]["grads"]):
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    assert len(reference.strategy.steps) == len(reference64.strategy.steps) == 8
+    assert_same_update(ours, reference, ours64, reference64, steps=(0, 4))
 
 
 @pytest.fixture
@@ -569,7 +615,7 @@ def test_everything_off_is_upstream_exactly(env, eager_entropy):
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("alpha", ["0", "0.3"])
-def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, aggregation, env):
+def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, aggregation, env, float64):
     flags = ["--algo.ar_alpha", alpha, "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.dual_clip", "3"]
     flags += ["--actor.loss_agg_mode", aggregation, "--actor.eps_clip_low_high", "0.1", "0.3"]  # not the kernel's 0.2
     if packing:
@@ -581,27 +627,36 @@ def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, aggregat
         noise = torch.randn(experience.action_log_probs.shape, generator=torch.Generator().manual_seed(6))
         experience.action_log_probs = (experience.action_log_probs + 0.4 * noise) * experience.action_mask
 
+    def ar(experience):
+        experience.advantages = experience.advantages * (a * experience.action_log_probs.exp() + 1 - a)
+
     def reweight(experience):
         off_policy(experience)
-        experience.advantages = experience.advantages * (a * experience.action_log_probs.exp() + 1 - a)
+        ar(experience)
 
     # gas 2: each optimizer step's loss is one mean over both micro-batches' tokens (upstream's loss_batch_info)
     upstream_args = make_args(*flags, "--actor.fused_loss", "off")
     reference = train_round(env, Upstream, upstream_args, gas=2, record_grads=True, edit=reweight)
-    fused = train_round(env, Lopti, make_args(*flags, "--actor.fused_loss", "torch"), gas=2, record_grads=True, edit=off_policy)
+    fused_args = make_args(*flags, "--actor.fused_loss", "torch")
+    fused = train_round(env, Lopti, fused_args, gas=2, record_grads=True, edit=off_policy)
+    with float64():
+        # the same off-policy inputs, with AR written out in float64 this time
+        reference64 = train_round(env, Upstream, upstream_args, gas=2, record_grads=True, edit=inputs_of(fused, ar))
+        fused64 = train_round(env, Lopti, fused_args, gas=2, record_grads=True, edit=inputs_of(fused))
     assert fused.trainer.fused_backend == "torch" and fused.actor.packing_samples == packing
     ratio = (-0.4 * torch.randn(fused.experience.action_log_probs.shape, generator=torch.Generator().manual_seed(6))).exp()
     advantages, response = fused.experience.advantages, fused.experience.action_mask
     assert (response & (advantages < 0) & (ratio < 0.9) & (ratio > 0.8)).any()  # clipped at 0.1, not at 0.2
     assert len(fused.strategy.steps) == len(reference.strategy.steps) == 2
-    for x, y in zip(fused.strategy.steps[0]["grads"], reference.strategy.steps[0]["grads"]):
-        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
-    for key in ("policy_loss", "kl", "ppo_clip_ratio", "ppo_kl"):
-        assert fused.status[key] == pytest.approx(reference.status[key], rel=1e-4, abs=1e-6), key
+    assert_same_update(fused, reference, fused64, reference64, steps=(0,))
+    for key in ("policy_loss", "kl", "ppo_kl"):
+        values = (run.status[key] for run in (fused, reference, fused64, reference64))
+        scalars_same_computation(key, *values, precision=False)  # means over the whole round: after AdamW steps
+    assert fused.status["ppo_clip_ratio"] == reference.status["ppo_clip_ratio"]  # a count of clipped tokens
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_fused_entropy_matches_upstream_entropy_loss_and_gradients(packing, env, eager_entropy):
+def test_fused_entropy_matches_upstream_entropy_loss_and_gradients(packing, env, eager_entropy, float64):
     # Lopti masks the entropy term to each phase; temperature 0.7: the kernel divides, not Actor.forward
     # reference: upstream's trainer run once per phase with AR and the phase written out in the test
     flags = ["--actor.entropy_coef", "0.5", "--rollout.temperature", "0.7"]
@@ -610,13 +665,18 @@ def test_fused_entropy_matches_upstream_entropy_loss_and_gradients(packing, env,
         flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
     reference = upstream_lopti_round(env, flags, eta=0.5, alpha=0.3)
     lopti = ["--algo.lopti_eta", "0.5", "--algo.ar_alpha", "0.3", "--algo.lopti_denominator", "phase"]
-    fused = train_round(env, Lopti, make_args(*flags, *lopti, "--actor.fused_loss", "torch"), record_grads=True)
+    fused_args = make_args(*flags, *lopti, "--actor.fused_loss", "torch")
+    fused = train_round(env, Lopti, fused_args, record_grads=True)
+    with float64():
+        reference64 = upstream_lopti_round(env, flags, eta=0.5, alpha=0.3, edit=inputs_of(reference))
+        fused64 = train_round(env, Lopti, fused_args, record_grads=True, edit=inputs_of(fused))
     assert fused.actor.temperature == 0.7 and fused.actor.packing_samples == packing
-    assert_first_step_of_each_phase_matches(fused, reference)
+    assert_first_step_of_each_phase_matches(fused, reference, fused64, reference64)
     for i, phase in enumerate(("low", "high")):
         for key in ("entropy_loss", "policy_loss", "kl"):
-            want = reference.statuses[i][key]
-            assert fused.status[f"lopti/{phase}/{key}"] == pytest.approx(want, rel=1e-4, abs=1e-6), (phase, key)
+            ours32, ours64 = (run.status[f"lopti/{phase}/{key}"] for run in (fused, fused64))
+            upstream32, upstream64 = (run.statuses[i][key] for run in (reference, reference64))
+            scalars_same_computation(f"{phase} {key}", ours32, upstream32, ours64, upstream64, precision=False)
     assert fused.status["entropy_loss"] > 0.1  # a real entropy term, large enough to move the gradients
 
 
@@ -712,7 +772,7 @@ def test_forward_only_passes_through_the_kernels_give_upstream_log_probs(lm_head
 @pytest.mark.parametrize(
     "variant", ["plain", "tied", "packed", "gradient_checkpointing", "lora", "bias", "no_entropy"],
 )
-def test_fused_lm_head_trains_like_the_fused_logits_loss(variant, env, eager_entropy):
+def test_fused_lm_head_trains_like_the_fused_logits_loss(variant, env, eager_entropy, float64):
     """Same loss, entropy, KL and parameter gradients, whether the kernels read the logits or the lm_head makes
     them chunk by chunk (here for every weight the model has: with tied embeddings the lm_head IS the input
     embedding, whose gradient then sums both uses)."""
@@ -723,7 +783,7 @@ def test_fused_lm_head_trains_like_the_fused_logits_loss(variant, env, eager_ent
     config = copy.deepcopy(env.config)
     config.tie_word_embeddings = variant == "tied"
 
-    def build(args):
+    def build(args, in_float64):
         model = LlamaForCausalLM(config)
         model.load_state_dict(env.state, strict=False)
         if variant == "tied":
@@ -734,7 +794,10 @@ def test_fused_lm_head_trains_like_the_fused_logits_loss(variant, env, eager_ent
             head.bias.data.copy_(torch.linspace(-2.0, 2.0, config.vocab_size))
             model.lm_head = head
         if variant == "gradient_checkpointing":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = {"use_reentrant": False}
+            if in_float64:  # the backward's recomputation of the forward runs in float64 too
+                kwargs["context_fn"] = lambda: (nullcontext(), Float64Shadow())
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if variant == "lora":
             from peft import LoraConfig, get_peft_model
 
@@ -744,24 +807,34 @@ def test_fused_lm_head_trains_like_the_fused_logits_loss(variant, env, eager_ent
         actor.packing_samples = args.ds.packing_samples
         return actor
 
-    runs = {}
-    for name, extra in (("logits", []), ("lm_head", ["--actor.fused_lm_head"])):
-        args = make_args(*flags, *extra)
-        actor = build(args)
+    def run(args, edit=None):
+        actor = build(args, in_float64=edit is not None)
         experience = make_experience(env.rollout, actor)
+        if edit is not None:
+            edit(experience)
         trainer, strategy = make_trainer(env, Lopti, args, actor, record_grads=True)
         trainer.replay_buffer.append(experience)
         torch.manual_seed(3)
-        runs[name] = SimpleNamespace(status=trainer.ppo_train(KL_CTL), steps=strategy.steps)
-    assert [step["phase"] for step in runs["lm_head"].steps] == ["low"] * 4 + ["high"] * 4
-    for a, b in zip(runs["lm_head"].steps, runs["logits"].steps):
-        assert len(a["grads"]) == len(b["grads"])
-        for x, y in zip(a["grads"], b["grads"]):
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
-    keys = ["policy_loss", "kl", "ppo_clip_ratio", "lopti/low/policy_loss"]
+        return SimpleNamespace(status=trainer.ppo_train(KL_CTL), strategy=strategy, experience=experience)
+
+    runs = {}
+    for name, extra in (("logits", []), ("lm_head", ["--actor.fused_lm_head"])):
+        args = make_args(*flags, *extra)
+        runs[name] = run(args)
+        with float64():
+            runs[name + "64"] = run(args, edit=inputs_of(runs[name]))
+    assert [step["phase"] for step in runs["lm_head"].strategy.steps] == ["low"] * 4 + ["high"] * 4
+    assert len(runs["logits"].strategy.steps) == len(runs["logits64"].strategy.steps) == 8
+    named = dict(a_name="lm_head", b_name="logits")
+    for i in range(8):
+        grads = [runs[name].strategy.steps[i]["grads"] for name in ("lm_head", "logits", "lm_head64", "logits64")]
+        assert_all_same_computation(f"gradients of optimizer step {i}", *grads, precision=i == 0, **named)
+    keys = ["policy_loss", "kl", "lopti/low/policy_loss"]
     keys += [] if variant == "no_entropy" else ["entropy_loss"]
     for key in keys:
-        assert runs["lm_head"].status[key] == pytest.approx(runs["logits"].status[key], rel=1e-4, abs=1e-7), key
+        values = (runs[name].status[key] for name in ("lm_head", "logits", "lm_head64", "logits64"))
+        scalars_same_computation(key, *values, precision=False, **named)
+    assert runs["lm_head"].status["ppo_clip_ratio"] == runs["logits"].status["ppo_clip_ratio"]  # a share of tokens
 
 
 def test_fused_lm_head_needs_the_fused_loss(capsys):
@@ -897,7 +970,7 @@ ESTIMATORS = ["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "d
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
-def test_every_advantage_estimator(estimator, env):
+def test_every_advantage_estimator(estimator, env, float64):
     base = ["--algo.advantage.estimator", estimator]
     flags = ["--algo.ar_alpha", "0.3", "--algo.lopti_eta", "0.5", "--algo.lopti_denominator", "phase"]
     args = make_args(*base, *flags, "--actor.fused_loss", "torch")
@@ -916,7 +989,10 @@ def test_every_advantage_estimator(estimator, env):
     run = train_round(env, Lopti, args, edit=upstream_advantages, record_grads=True)
     # reference: upstream's trainer once per phase, AR and the phase written out in the test
     reference = upstream_lopti_round(env, base, eta=0.5, alpha=0.3, edit=upstream_advantages)
-    assert_first_step_of_each_phase_matches(run, reference)
+    with float64():
+        run64 = train_round(env, Lopti, args, edit=inputs_of(run), record_grads=True)
+        reference64 = upstream_lopti_round(env, base, eta=0.5, alpha=0.3, edit=inputs_of(reference))
+    assert_first_step_of_each_phase_matches(run, reference, run64, reference64)
     response, p = run.experience.action_mask, run.experience.action_log_probs.exp()
     assert ((0.3 * p + 0.7 - 1).abs()[response] > 0.05).any()  # AR changes these advantages: the match above sees it
     assert (run.experience.advantages[response] != 0).any()
