@@ -914,6 +914,60 @@ def test_quantile_sets_the_fraction_of_low_tokens(env):
     assert "ar/mean_weight" not in run.status  # AR is off
 
 
+def test_a_quantile_of_probabilities_that_underflow_still_trains_both_phases(env):
+    """Log-probs of -200 are probability 0 in fp32: the quantile of a batch where most tokens have them is 0, an eta
+    that ``lopti_phases`` refuses. The threshold is floored at the smallest normal fp32 instead, so the tokens with
+    p = 0 are "low" (p < threshold) and the others "high"."""
+
+    def underflow(experience):
+        low = torch.arange(len(experience.sequences))[:, None] < 6  # 6 of the 8 responses
+        experience.action_log_probs = torch.where(low, -200.0, math.log(0.7)) * experience.action_mask
+
+    run = train_round(env, Lopti, make_args("--algo.lopti_eta", "0.5", "--algo.lopti_quantile", "0.5"), edit=underflow)
+    assert run.status["lopti/threshold"] == torch.finfo(torch.float32).tiny
+    response = run.experience.action_mask
+    low = response & (torch.arange(len(response))[:, None] < 6)
+    assert run.status["lopti/low_token_frac"] == pytest.approx(low.sum().item() / response.sum().item())
+    assert [step["phase"] for step in run.strategy.steps] == ["low"] * 4 + ["high"] * 4
+
+
+def test_ema_on_the_cpu_strategy_follows_every_optimizer_step(env):
+    """``--train.enable_ema``: upstream's trainer asks the strategy for the moving average on ``"cuda"``; the ``--cpu``
+    strategy keeps it on the CPU. With gas 1 every micro-batch is an optimizer step, and after each the EMA model
+    is ``(1 - beta) * params + beta * ema``."""
+    beta = 0.9
+    args = make_args("--algo.lopti_eta", "0.5", "--algo.ar_alpha", "0.3", "--train.enable_ema", "--train.ema_beta", str(beta))
+    actor = make_actor(env, args)
+    ema = make_actor(env, args)
+    experience = make_experience(env.rollout, actor)
+    strategy = get_cpu_strategy(args)
+    strategy.train_batch_size = args.train.micro_batch_size
+    strategy.setup_distributed()
+    config = dict(
+        optim="adam", muon=vars(args.actor.muon), adam=vars(args.actor.adam), lr_scheduler=args.actor.lr_scheduler,
+        lr_warmup_ratio=args.actor.lr_warmup_ratio, min_lr_ratio=args.actor.min_lr_ratio, max_norm=1.0,
+        scheduler_steps=100,
+    )  # fmt: skip
+    actor, optimizer, scheduler = strategy.prepare((actor, config))
+    ema._offload = True  # as upstream's PolicyModelActor prepares its EMA model
+    ema = strategy.prepare(ema)
+    trainer = Lopti(
+        strategy, actor, ema, optimizer, scheduler, ema_beta=args.train.ema_beta,
+        micro_train_batch_size=args.train.micro_batch_size, dataloader_pin_memory=False,
+    )  # fmt: skip
+    strategy.steps = record_optimizer_steps(actor.model, trainer, record_grads=False)
+    expected = [p.detach().clone() for p in ema.parameters()]
+    trainer.replay_buffer.append(experience)
+    torch.manual_seed(3)
+    trainer.ppo_train(KL_CTL)
+    assert [step["phase"] for step in strategy.steps] == ["low"] * 4 + ["high"] * 4
+    for step in strategy.steps:
+        expected = [(1 - beta) * p + beta * e for p, e in zip(step["params"], expected)]
+    for want, got in zip(expected, ema.parameters()):
+        assert got.device.type == "cpu"
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)  # the same elementwise ops, in the same order
+
+
 def test_tokens_at_the_threshold_train_in_the_high_phase(env, spy_upstream_step):
     """Low means p < threshold, strictly, in the phase masks and in the counts alike: with most tokens at p = 0.5
     the median is 0.5 itself, and those tokens are "high"."""
