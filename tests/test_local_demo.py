@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from openrlhf_lopti.__main__ import main as cli_main
 from openrlhf_lopti.local.config import METHODS
 
@@ -19,6 +21,12 @@ def test_demo_end_to_end(tmp_path, capsys):
         assert [r["step"] for r in rows] == [1, 2]
     summary = json.loads((out / "summary.json").read_text())
     assert [m["method"] for m in summary["methods"]] == list(METHODS)
+    # wall and CPU seconds side by side, in the table and the json (CPU: this process's threads, so at most
+    # threads x wall, plus rounding of the clocks)
+    assert "| wall s | CPU s |" in printed
+    for m in summary["methods"]:
+        assert 0 < m["cpu_seconds"] <= torch.get_num_threads() * m["seconds"] + 0.05, m
+    assert summary["warmup"]["warmup_cpu_seconds"] > 0
     assert summary["warmup"]["warmup_steps"] == 5
     assert (out / "demo.png").stat().st_size > 0 and (out / "summary.md").exists()
     assert (out / "warmup_model" / "lopti_local.json").exists()
@@ -40,3 +48,5 @@ def test_demo_rejects_bad_arguments(tmp_path, capsys):
     assert "--steps" in capsys.readouterr().err
     assert cli_main(["demo", "--out", str(tmp_path / "b"), "--methods", "grpo,ppo"]) == 2
     assert "--methods" in capsys.readouterr().err
+    assert cli_main(["demo", "--out", str(tmp_path / "c"), "--threads", "-1"]) == 2
+    assert "--threads must be >= 0" in capsys.readouterr().err

@@ -61,7 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loss-backend", default="auto", choices=("auto", "triton", "cpp", "torch"))
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's choice)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: the tiny model gains little from more, and on a machine busy with other "
+        "work more threads spin-wait for each other, several times slower; 0: torch's choice)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue an interrupted demo in --out")
@@ -100,8 +106,10 @@ def window_mean(rows: list, key: str, first: bool, frac: float = 0.2) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def summarize(method: str, rows: list, seconds: float) -> dict:
-    """One row of the comparison table from a run's metrics."""
+def summarize(method: str, rows: list, seconds: float, cpu_seconds: float) -> dict:
+    """One row of the comparison table from a run's metrics; ``seconds`` wall, ``cpu_seconds`` this process's CPU
+    time (all its threads): on a machine shared with other work the wall time grows with the load, the CPU time
+    much less, so the ratio of two methods' CPU seconds is the methods' cost ratio."""
     last = rows[-1] if rows else {}
     return {
         "method": method,
@@ -113,6 +121,7 @@ def summarize(method: str, rows: list, seconds: float) -> dict:
         "kl_last": window_mean(rows, "kl", False),
         "low_token_fraction_last": window_mean(rows, "low_token_fraction", False),
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
     }
 
 
@@ -121,18 +130,18 @@ def format_table(baseline: Optional[dict], rows: list, frac: float = 0.2) -> str
     pct = int(frac * 100)
     head = (
         f"| method | reward, first {pct}% of steps | reward, last {pct}% | train acc. first -> last | "
-        "held-out greedy acc. | KL (last) | p<0.5 tokens (last) | time (s) |"
+        "held-out greedy acc. | KL (last) | p<0.5 tokens (last) | wall s | CPU s |"
     )
-    lines = [head, "|" + "---|" * 8]
+    lines = [head, "|" + "---|" * 9]
     if baseline is not None:
-        lines.append(
-            f"| warm-up only | | | | {baseline['accuracy']:.3f} | | | {baseline.get('seconds', float('nan')):.0f} |"
-        )
+        wall, cpu = baseline.get("seconds", float("nan")), baseline.get("cpu_seconds", float("nan"))
+        lines.append(f"| warm-up only | | | | {baseline['accuracy']:.3f} | | | {wall:.0f} | {cpu:.0f} |")
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['reward_first']:.3f} | {r['reward_last']:.3f} | "
             f"{r['accuracy_first']:.3f} -> {r['accuracy_last']:.3f} | {r['eval_accuracy']:.3f} | "
-            f"{r['kl_last']:.4f} | {r['low_token_fraction_last']:.3f} | {r['seconds']:.0f} |"
+            f"{r['kl_last']:.4f} | {r['low_token_fraction_last']:.3f} | {r['seconds']:.0f} | "
+            f"{r.get('cpu_seconds', float('nan')):.0f} |"
         )
     return "\n".join(lines)
 
@@ -147,8 +156,19 @@ def main(argv: Optional[list] = None) -> int:
     for name in ("steps", "warmup_steps", "prompts_per_step", "n_samples"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.threads < 0:
+        raise UserError(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
+    threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return _run_demo(args, methods)
+    finally:
+        torch.set_num_threads(threads)  # a caller in the same process (a notebook, the tests) keeps its own
+
+
+def _run_demo(args: argparse.Namespace, methods: list) -> int:
+    """The warm-up, then each of ``methods`` trained and summarised (``main`` has checked the arguments)."""
     out = Path(args.out or time.strftime("runs/demo-%Y%m%d-%H%M%S"))
     check_loss_backend(args.loss_backend, resolve_device(args.device))
     out = prepare_out_dir(out, DEMO_OUTPUTS, overwrite=args.overwrite, resume=args.resume, can_resume=True)
@@ -170,7 +190,7 @@ def main(argv: Optional[list] = None) -> int:
             progress=not args.no_progress,
         )
         model, tokenizer, style = load_model(out / WARMUP_DIR, resolve_device(args.device))
-        baseline = {"accuracy": float("nan"), "seconds": facts["warmup_seconds"]}
+        baseline = {"accuracy": float("nan"), "seconds": facts["warmup_seconds"], "cpu_seconds": facts["warmup_cpu_seconds"]}
         if args.eval_prompts:
             records = eval_puzzles(args.eval_prompts, DEMO_PEOPLE)
             prompts = [prompt_for(r, style, tokenizer) for r in records]
@@ -185,18 +205,20 @@ def main(argv: Optional[list] = None) -> int:
     summaries, runs = [], {}
     for method in methods:
         cfg = method_config(out, method, args)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         run_dir = Path(cfg.out)
         resume_run = args.resume and run_dir.is_dir()
         trainer = LocalTrainer(cfg, resume=resume_run)
         rows = trainer.run(desc=method)
-        seconds = time.perf_counter() - t0
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
         timing_path = run_dir / "seconds.json"
         if resume_run and timing_path.exists():  # the run had finished before: keep its own time
-            seconds += json.loads(timing_path.read_text())["seconds"]
-        timing_path.write_text(json.dumps({"seconds": seconds}) + "\n")
+            earlier = json.loads(timing_path.read_text())
+            seconds += earlier["seconds"]
+            cpu_seconds += earlier.get("cpu_seconds", 0.0)
+        timing_path.write_text(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds}) + "\n")
         runs[method] = rows
-        summaries.append(summarize(method, rows, seconds))
+        summaries.append(summarize(method, rows, seconds, cpu_seconds))
         del trainer
 
     plot_runs(runs, out / "demo.png", title="tiny Llama on 2-person K&K: same seed, same budget")
