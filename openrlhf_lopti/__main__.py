@@ -58,8 +58,23 @@ def _run(argv: list) -> int:
         if not os.path.isdir(os.path.join(repo_root, "benchmarks")):
             raise UserError(f"`{name}` needs a source checkout (benchmarks/ beside the package)")
         sys.path.insert(0, repo_root)
+    say_cpu_to_deepspeed()
     module = importlib.import_module(module_name)
     return int(module.main(rest) or 0)
+
+
+def say_cpu_to_deepspeed() -> None:
+    """On a machine where torch sees no CUDA device, set ``DS_ACCELERATOR=cpu`` (unless the user set it).
+
+    transformers imports DeepSpeed when it saves or loads a model, and DeepSpeed, left to detect the accelerator,
+    prints "Setting accelerator to CPU. If you have GPU ..." as a warning before our own first line.
+    """
+    if "DS_ACCELERATOR" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 if __name__ == "__main__":
