@@ -13,6 +13,8 @@ import torch
 from openrlhf_lopti.algo import policy_loss_from_logits
 from openrlhf_lopti.ops import fused_policy_loss
 
+from .numerics import Float64Shadow, assert_near_float64, fp32_error_bound
+
 
 @dataclass(frozen=True)
 class Case:
@@ -124,49 +126,91 @@ def _run(fn, inputs: dict, opts: dict, upstream: dict):
         ref_log_probs=inputs["ref_log_probs"],
         **opts,
     )
-    total = (out.loss * upstream["loss"]).sum() + (out.logp * upstream["logp"]).sum()
-    if out.entropy is not None:
-        total = total + (out.entropy * upstream["entropy"]).sum()
-    total.backward()
+    _weighted(out, upstream).backward()
     return out, logits.grad
 
 
-def tolerances(dtype: torch.dtype) -> dict:
-    """Forward outputs are fp32 in every backend; gradients come back in the logits' dtype."""
-    if dtype == torch.float32:
-        return {"fwd": dict(rtol=1e-5, atol=1e-5), "grad": dict(rtol=1e-4, atol=1e-6)}
-    return {"fwd": dict(rtol=1e-4, atol=1e-4), "grad": dict(rtol=2e-2, atol=2e-3)}
+def reference_truth(inputs: dict, opts: dict, objective):
+    """The reference (``policy_loss_from_logits``) on the same inputs, run in float64 (tests/numerics.py,
+    ``Float64Shadow``): the truth each fp32 path is measured against. ``objective(outputs)`` gives the scalar to
+    differentiate. Returns ``(outputs, logits gradient)``, float64, on the CPU."""
+    on_cpu = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    logits = on_cpu.pop("logits").double().requires_grad_(True)
+    with Float64Shadow():
+        out = policy_loss_from_logits(logits, **on_cpu, **opts)
+        objective(out).backward()
+    return out, logits.grad
+
+
+def reference_in_float64(inputs: dict, opts: dict, upstream: dict):
+    """:func:`reference_truth` of the grid's objective: the outputs weighted by ``upstream``."""
+    up = {k: v.detach().cpu().double() for k, v in upstream.items()}
+    return reference_truth(inputs, opts, lambda out: _weighted(out, up))
+
+
+def _weighted(out, upstream: dict) -> torch.Tensor:
+    total = (out.loss * upstream["loss"]).sum() + (out.logp * upstream["logp"]).sum()
+    if out.entropy is not None:
+        total = total + (out.entropy * upstream["entropy"]).sum()
+    return total
+
+
+def _field(outputs, name: str):
+    return outputs.get(name) if isinstance(outputs, dict) else getattr(outputs, name)
+
+
+def assert_near_truth(path: str, out, grad, truth, truth_grad, logits: torch.Tensor, temperature: float,
+                      weight: float = 1.0, fields=("loss", "logp", "kl", "entropy")) -> None:  # fmt: skip
+    """Each fp32 output of one path (``out``: a ``PolicyLossOutput`` or a dict) and its gradient are within
+    :func:`tests.numerics.fp32_error_bound` of the float64 truth: magnitude max|z/T| over the finite logits,
+    reduction length V, scale max(1, max|output|) for the forward fields (logp's error is absolute; the others
+    carry it times about their own size) and, for the gradient, max|gradient| or ``weight`` / T (the largest
+    upstream weight of the objective differentiated),
+    whichever is larger (a rounding of logp reaches the gradient times a weight and 1/T even where the true
+    gradient is 0, e.g. V = 1), plus one ulp of the logits' dtype. ``None`` in the truth (no entropy asked) must
+    be ``None`` in ``out`` too."""
+    finite = logits.detach().float()
+    finite = finite[torch.isfinite(finite)]
+    magnitude = (finite.abs().max().item() if finite.numel() else 0.0) / temperature
+    length = logits.shape[-1]
+    for name in fields:
+        want = _field(truth, name)
+        got = _field(out, name)
+        if want is None:
+            assert got is None, f"{path}: {name} should be None"
+            continue
+        assert got.dtype == torch.float32, f"{path}: {name} dtype {got.dtype}"
+        want = want.detach().double()
+        values = want[torch.isfinite(want)]
+        scale = max(1.0, values.abs().max().item() if values.numel() else 0.0)
+        assert_near_float64(name, got, want, fp32_error_bound(magnitude, length, scale), path)
+    if grad is not None:
+        want = truth_grad.detach().double()
+        scale = max(want.abs().max().item() if want.numel() else 0.0, weight / temperature)
+        assert_near_float64("grad", grad, want, fp32_error_bound(magnitude, length, scale, dtype=grad.dtype), path)
+
+
+def max_weight(upstream: dict) -> float:
+    """The largest |weight| of an objective's upstream weights (for :func:`assert_near_truth`)."""
+    return max((w.abs().max().item() for w in upstream.values() if w.numel()), default=0.0)
 
 
 def check_backend_matches_reference(case: Case, backend: str, device: str = "cpu") -> None:
-    """Forward fields and ``d(sum of weighted outputs)/d logits`` of ``backend`` equal the reference's."""
+    """Forward fields and ``d(sum of weighted outputs)/d logits`` of ``backend`` equal the reference's: both the
+    backend and the fp32 reference are measured against the float64 run of the reference on the same inputs
+    (:func:`assert_near_truth`, a bound derived from the computation; a failure names the path that is off)."""
     inputs = make_inputs(case, device)
     g = torch.Generator().manual_seed(case.seed + 1)
     upstream = {k: torch.randn(case.n, generator=g).to(device) for k in ("loss", "logp", "entropy")}
     opts = options(case)
     ref_out, ref_grad = _run(policy_loss_from_logits, inputs, opts, upstream)
     out, grad = _run(lambda *a, **k: fused_policy_loss(*a, backend=backend, **k), inputs, opts, upstream)
+    truth, truth_grad = reference_in_float64(inputs, opts, upstream)
 
-    tol = tolerances(case.dtype)
-    # logp = z/T - lse subtracts two numbers of size max|z/T|: fp32 rounding of that size is not an error
-    # (the C++ kernel's fused multiply-add z * (1/T) - max rounds once where the reference rounds twice). The
-    # gradient carries that logp error times p, the upstream weights (randn) and 1/T, hence the same 8 ulps:
-    # e.g. V = 1, z = -4.8, T = 0.6: logp 4.2e-7 instead of 0, a gradient of 1.2e-6 instead of 0.
-    magnitude = inputs["logits"].float().abs().max().item() / case.temperature
-    eps = torch.finfo(torch.float32).eps
-    tol["fwd"]["atol"] = max(tol["fwd"]["atol"], 8 * eps * magnitude)
-    tol["grad"]["atol"] = max(tol["grad"]["atol"], 8 * eps * magnitude)
-    for name in ("loss", "logp", "kl"):
-        got, want = getattr(out, name), getattr(ref_out, name)
-        assert got.dtype == torch.float32, f"{name} dtype {got.dtype}"
-        torch.testing.assert_close(got, want.detach(), **tol["fwd"], msg=lambda m: f"{name}: {m}")
-    assert torch.equal(out.clipped.cpu(), ref_out.clipped.cpu()), "clipped flags differ"
-    if case.entropy:
-        torch.testing.assert_close(out.entropy, ref_out.entropy.detach(), **tol["fwd"])
-    else:
-        assert out.entropy is None
     assert grad is not None and grad.dtype == case.dtype and grad.shape == inputs["logits"].shape
-    torch.testing.assert_close(grad.float(), ref_grad.float(), **tol["grad"])
+    for path, o, gr in (("reference", ref_out, ref_grad), (backend, out, grad)):
+        assert_near_truth(path, o, gr, truth, truth_grad, inputs["logits"], case.temperature, max_weight(upstream))
+    assert torch.equal(out.clipped.cpu(), ref_out.clipped.cpu()), "clipped flags differ"
     masked_rows = ~inputs["mask"]
     assert torch.all(grad[masked_rows] == 0), "masked rows must get exactly zero gradient"
     assert torch.all(torch.isfinite(grad.float()))

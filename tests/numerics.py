@@ -147,3 +147,45 @@ def scalars_same_computation(name: str, a32: float, b32: float, a64: float, b64:
     """:func:`assert_same_computation` for two Python floats (a logged metric, a loss)."""
     assert_same_computation(name, *(torch.tensor([x], dtype=torch.float64) for x in (a32, b32, a64, b64)), **options)
 
+
+
+# --- One fp32 path against the float64 truth of the same computation (kernels that only run in fp32) ---------------
+#
+# A C++ / Triton kernel cannot run in float64, so it is measured against a float64 run of the reference on the same
+# inputs (the reference under Float64Shadow, or the float64 textbook). Its error is bounded from the computation:
+# z/T is rounded once (an error of u32 * max|z/T| that passes 1:1 into logp and with a factor of about the output's
+# own size into loss, KL, entropy and the gradient) and the sum of V exponentials adds about u32 * sqrt(V) (a random
+# walk of V roundings). FP32_CONSTANT is the headroom over that estimate: the largest error measured on the kernel
+# grid (tests/kernel_cases.py: CASES and EXTREME_CASES, reference, torch, cpp, both CPU dispatches) is 0.6 of it.
+FP32_CONSTANT = 8.0
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the machine epsilon of a float dtype: the relative error of rounding one value to it."""
+    return torch.finfo(dtype).eps / 2
+
+
+def fp32_error_bound(magnitude: float, length: int, scale: float, dtype: torch.dtype = torch.float32,
+                     constant: float = FP32_CONSTANT) -> float:  # fmt: skip
+    """How far an fp32 result of size ``scale`` may be from its float64 truth: ``constant * u32 * (max(magnitude, 1)
+    + sqrt(length)) * scale`` (``magnitude``: the largest input the result subtracts, max|z/T|; ``length``: the
+    reduction length, V), plus one ulp of ``scale`` in ``dtype`` when the result is returned in a narrower dtype
+    (a bf16 / fp16 gradient: one ulp, not half, because Triton's CPU interpreter truncates where a GPU rounds to
+    nearest)."""
+    fp32 = constant * U32 * (max(magnitude, 1.0) + length**0.5) * scale
+    return fp32 + (2 * unit_roundoff(dtype) * scale if dtype != torch.float32 else 0.0)
+
+
+def assert_near_float64(name: str, got: torch.Tensor, want64: torch.Tensor, bound: float, path: str = "ours") -> float:
+    """``max|got - want64| <= bound`` (entries equal in both, infinities included, count as 0). The message names
+    the path whose fp32 result is off and by how much. Returns the error."""
+    got64, want64 = got.detach().cpu().double(), want64.detach().cpu().double()
+    assert got64.shape == want64.shape, f"{name}: {path} has shape {tuple(got64.shape)}, want {tuple(want64.shape)}"
+    diff = torch.where(got64 == want64, torch.zeros_like(got64), got64 - want64).abs()
+    err = diff.max().item() if diff.numel() else 0.0
+    assert err <= bound, (  # NaN fails too
+        f"{name}: {path}'s fp32 result is {err:.3g} from the float64 run of the same computation "
+        f"(bound {bound:.3g}; at flat index {int(diff.nan_to_num(float('inf')).argmax())})"
+        if diff.numel() else f"{name}: {path}"
+    )
+    return err

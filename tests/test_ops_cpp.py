@@ -22,7 +22,16 @@ from openrlhf_lopti.ops import fused_policy_loss
 from openrlhf_lopti.ops import cpp_policy_loss as cpp_module
 from openrlhf_lopti.ops.cpp_policy_loss import cpp_available, cpp_isa
 
-from .kernel_cases import CASES, EXTREME_CASES, Case, check_backend_matches_reference, make_inputs, options
+from .kernel_cases import (
+    CASES,
+    EXTREME_CASES,
+    Case,
+    assert_near_truth,
+    check_backend_matches_reference,
+    make_inputs,
+    options,
+    reference_truth,
+)
 from .kernel_cases import textbook_policy_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,14 +210,12 @@ def test_extreme_logits_match_reference():
     d["logits"] = torch.randn(12, 500, generator=g) * 200.0
     d["logits"][:, ::7] = float("-inf")
     d["labels"] = d["logits"].argmax(-1)
+    objective = lambda out: out.loss.sum() + 0.5 * out.logp.sum()  # noqa: E731
+    truth, truth_grad = reference_truth(d, dict(alpha=0.3), objective)
     for backend in ("cpp", "torch"):
         logits, out = _call(d, backend, alpha=0.3)
-        (out.loss.sum() + 0.5 * out.logp.sum()).backward()
-        if backend == "cpp":
-            cpp_out, cpp_grad = out, logits.grad
-    torch.testing.assert_close(cpp_out.loss, out.loss, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(cpp_out.logp, out.logp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(cpp_grad, logits.grad, rtol=1e-4, atol=1e-6)
+        objective(out).backward()
+        assert_near_truth(backend, out, logits.grad, truth, truth_grad, d["logits"], 1.0, fields=("loss", "logp"))
 
 
 @pytest.mark.parametrize("layout", ["row_padded", "transposed"])
@@ -220,12 +227,12 @@ def test_non_contiguous_logits(layout):
     else:  # V not contiguous: copied once by the wrapper
         d["logits"] = d["logits"].t().contiguous().t()
     opts = options(case)
-    want_logits, want = _call(d, "torch", **opts)
-    got_logits, got = _call(d, "cpp", **opts)
-    (want.loss.sum() + want.entropy.sum()).backward()
-    (got.loss.sum() + got.entropy.sum()).backward()
-    torch.testing.assert_close(got.loss, want.loss.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_logits.grad, want_logits.grad, rtol=1e-4, atol=1e-6)
+    objective = lambda out: out.loss.sum() + out.entropy.sum()  # noqa: E731
+    truth, truth_grad = reference_truth(d, opts, objective)
+    for backend in ("torch", "cpp"):
+        logits, out = _call(d, backend, **opts)
+        objective(out).backward()
+        assert_near_truth(backend, out, logits.grad, truth, truth_grad, d["logits"], case.temperature)
 
 
 @pytest.mark.parametrize("output", ["loss", "logp", "entropy"])
@@ -233,13 +240,12 @@ def test_gradient_from_a_single_output(output):
     # Autograd hands the backward None for the outputs not used; each term must stand on its own.
     case = Case(n=20, v=150, alpha=0.3, kl="k3", entropy=True, seed=12)
     d = make_inputs(case)
-    grads = {}
+    truth, truth_grad = reference_truth(d, options(case), lambda out: getattr(out, output).sum())
     for backend in ("cpp", "torch"):
         logits, out = _call(d, backend, **options(case))
         getattr(out, output).sum().backward()
-        grads[backend] = logits.grad
         assert not out.kl.requires_grad and not out.clipped.requires_grad
-    torch.testing.assert_close(grads["cpp"], grads["torch"], rtol=1e-4, atol=1e-6)
+        assert_near_truth(backend, out, logits.grad, truth, truth_grad, d["logits"], case.temperature, fields=())
 
 
 def test_thread_count_does_not_change_results():
@@ -265,8 +271,8 @@ def test_auto_uses_cpp_on_cpu(monkeypatch):
     d = make_inputs(Case(n=8, v=64))
     _, out = _call(d, "auto")
     assert calls == [1]
-    _, want = _call(d, "torch")
-    torch.testing.assert_close(out.loss, want.loss.detach(), rtol=1e-5, atol=1e-5)
+    truth, _ = reference_truth(d, {}, lambda out: out.loss.sum())
+    assert_near_truth("auto", out, None, truth, None, d["logits"], 1.0)
 
 
 def test_ops_schema_and_fake_tensors():
@@ -331,7 +337,7 @@ logging.getLogger("openrlhf_lopti").addHandler(handler)
 logging.getLogger("openrlhf_lopti").setLevel(logging.INFO)
 from openrlhf_lopti.ops import fused_policy_loss
 from openrlhf_lopti.ops.cpp_policy_loss import cpp_available
-from tests.kernel_cases import Case, make_inputs, options, textbook_policy_loss
+from tests.kernel_cases import Case, assert_near_truth, make_inputs, options, textbook_policy_loss
 case = Case(n=24, v=300, alpha=0.3, kl="k3", dual_clip=3.0, entropy=True, temperature=0.8, seed=31)
 d = make_inputs(case)
 opts = options(case)
@@ -346,14 +352,16 @@ with warnings.catch_warnings(record=True) as caught:
 want_logits = d["logits"].double().requires_grad_(True)
 want = textbook_policy_loss(d, opts, want_logits)
 (want["loss"].sum() + want["entropy"].sum()).backward()
-errors = {name: (getattr(out, name).double() - want[name].detach()).abs().max().item()
-          for name in ("loss", "logp", "kl", "entropy")}
-errors["grad"] = (logits.grad.double() - want_logits.grad).abs().max().item()
+try:  # the bound of tests/kernel_cases.py, derived from the computation
+    assert_near_truth("cpp (JIT)", out, logits.grad, want, want_logits.grad, d["logits"], case.temperature)
+    near_truth = "ok"
+except AssertionError as exc:
+    near_truth = str(exc)
 print(json.dumps({
     "available": available,
     "seconds": seconds,
     "warnings": [str(w.message) for w in caught if "openrlhf_lopti" in str(w.message)],
-    "errors": errors,
+    "near_truth": near_truth,
     "clipped_equal": torch.equal(out.clipped, want["clipped"]),
     "path": os.environ["PATH"],
     "log": logged,
@@ -421,8 +429,7 @@ def test_jit_build_from_csrc_when_extension_is_missing(tmp_path, where):
         else:
             assert got["path"] == env["PATH"], got["path"]
         assert got["clipped_equal"] is True
-        for name, err in got["errors"].items():
-            assert err < (1e-4 if name == "grad" else 1e-5), (name, err)
+        assert got["near_truth"] == "ok", got["near_truth"]
     if where == "default":
         assert runs[1][1] == runs[0][1], "the second process rebuilt the cached library"
     # Built with setup.py's flags (-O3 -Wno-psabi -fopenmp, and -fopenmp to link; no OpenMP flags on macOS).
@@ -513,10 +520,8 @@ def test_cpp_policy_loss_defaults_are_the_textbook_loss():
     assert want["clipped"].any() and (d["advantages"][d["mask"]] < 0).any()  # clipping and A < 0 both occur
     out.loss.sum().backward()
     want["loss"].sum().backward()
-    for name in ("loss", "logp", "kl"):
-        torch.testing.assert_close(getattr(out, name).double(), want[name].detach(), rtol=1e-5, atol=1e-5)
+    assert_near_truth("cpp", out, logits.grad, want, want_logits.grad, d["logits"], 1.0, fields=("loss", "logp", "kl"))
     assert torch.equal(out.clipped, want["clipped"])
-    torch.testing.assert_close(logits.grad.double(), want_logits.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_backward_hands_the_kernel_none_for_unused_outputs(monkeypatch):
