@@ -203,9 +203,10 @@ def make_args(*flags: str):
     return parse_args(base + list(flags))
 
 
-def make_trainer(env, cls, args, actor, gas=1, record_grads=False):
+def make_trainer(env, cls, args, actor, gas=1, record_grads=False, ema=None):
     """``cls`` around ``actor`` on the real DeepSpeed engine with ``gas`` micro-batches per optimizer step;
-    ``strategy.steps`` records each optimizer step (:func:`record_optimizer_steps`)."""
+    ``strategy.steps`` records each optimizer step (:func:`record_optimizer_steps`). ``ema``: an ``Actor`` to keep
+    the moving average in (``--train.enable_ema``), prepared as upstream's ``PolicyModelActor`` prepares it."""
     strategy = get_cpu_strategy(args)
     strategy.train_batch_size = gas * args.train.micro_batch_size  # one rank
     strategy.setup_distributed()
@@ -216,8 +217,11 @@ def make_trainer(env, cls, args, actor, gas=1, record_grads=False):
         scheduler_steps=100,
     )  # fmt: skip
     actor, optimizer, scheduler = strategy.prepare((actor, config))
+    if ema is not None:
+        ema._offload = True
+        ema = strategy.prepare(ema)
     trainer = cls(
-        strategy, actor, None, optimizer, scheduler,
+        strategy, actor, ema, optimizer, scheduler, ema_beta=args.train.ema_beta,
         micro_train_batch_size=args.train.micro_batch_size, dataloader_pin_memory=False,
     )  # fmt: skip
     strategy.steps = record_optimizer_steps(actor.model, trainer, record_grads)
@@ -931,39 +935,28 @@ def test_a_quantile_of_probabilities_that_underflow_still_trains_both_phases(env
     assert [step["phase"] for step in run.strategy.steps] == ["low"] * 4 + ["high"] * 4
 
 
-def test_ema_on_the_cpu_strategy_follows_every_optimizer_step(env):
-    """``--train.enable_ema``: upstream's trainer asks the strategy for the moving average on ``"cuda"``; the ``--cpu``
-    strategy keeps it on the CPU. With gas 1 every micro-batch is an optimizer step, and after each the EMA model
-    is ``(1 - beta) * params + beta * ema``."""
+@pytest.mark.parametrize("gas, samples", [(1, None), (2, 6)], ids=["every-micro-batch", "odd-windows"])
+def test_ema_updates_exactly_when_deepspeed_steps(gas, samples, env):
+    """``--train.enable_ema``: after each optimizer step (and only then) the EMA model becomes
+    ``(1 - beta) * params + beta * ema``, on the CPU (upstream's trainer asks the strategy for ``"cuda"``). With gas 2
+    and 3 micro-batches a pass, each Lopti phase has windows of 2 and 1 micro-batches: upstream's own count of
+    micro-batches (an update every 2nd) would update after micro-batches 2, 4, 6 instead of 2, 3, 5, 6."""
     beta = 0.9
     args = make_args("--algo.lopti_eta", "0.5", "--algo.ar_alpha", "0.3", "--train.enable_ema", "--train.ema_beta", str(beta))
-    actor = make_actor(env, args)
-    ema = make_actor(env, args)
+    actor, ema = make_actor(env, args), make_actor(env, args)
     experience = make_experience(env.rollout, actor)
-    strategy = get_cpu_strategy(args)
-    strategy.train_batch_size = args.train.micro_batch_size
-    strategy.setup_distributed()
-    config = dict(
-        optim="adam", muon=vars(args.actor.muon), adam=vars(args.actor.adam), lr_scheduler=args.actor.lr_scheduler,
-        lr_warmup_ratio=args.actor.lr_warmup_ratio, min_lr_ratio=args.actor.min_lr_ratio, max_norm=1.0,
-        scheduler_steps=100,
-    )  # fmt: skip
-    actor, optimizer, scheduler = strategy.prepare((actor, config))
-    ema._offload = True  # as upstream's PolicyModelActor prepares its EMA model
-    ema = strategy.prepare(ema)
-    trainer = Lopti(
-        strategy, actor, ema, optimizer, scheduler, ema_beta=args.train.ema_beta,
-        micro_train_batch_size=args.train.micro_batch_size, dataloader_pin_memory=False,
-    )  # fmt: skip
-    strategy.steps = record_optimizer_steps(actor.model, trainer, record_grads=False)
+    trainer, strategy = make_trainer(env, Lopti, args, actor, gas=gas, ema=ema)
     expected = [p.detach().clone() for p in ema.parameters()]
     trainer.replay_buffer.append(experience)
+    if samples is not None:
+        del trainer.replay_buffer.items[samples:]
     torch.manual_seed(3)
     trainer.ppo_train(KL_CTL)
-    assert [step["phase"] for step in strategy.steps] == ["low"] * 4 + ["high"] * 4
+    steps = {1: 4, 2: 2}[gas]  # optimizer steps per phase
+    assert [step["phase"] for step in strategy.steps] == ["low"] * steps + ["high"] * steps
     for step in strategy.steps:
         expected = [(1 - beta) * p + beta * e for p, e in zip(step["params"], expected)]
-    for want, got in zip(expected, ema.parameters()):
+    for want, got in zip(expected, trainer.ema_model.parameters()):
         assert got.device.type == "cpu"
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)  # the same elementwise ops, in the same order
 

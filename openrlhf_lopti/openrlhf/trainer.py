@@ -265,10 +265,18 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
                 engine._is_gradient_accumulation_boundary = None  # back to DeepSpeed's own micro-step counter
 
     def _set_accumulation_boundary(self, step: int) -> None:
-        """Micro-batch ``step`` of this epoch ends a window if it is the ``gas``-th of it or the epoch's last."""
+        """Micro-batch ``step`` of this epoch ends a window if it is the ``gas``-th of it or the epoch's last.
+
+        ``--train.enable_ema`` follows the same windows: upstream's ``moving_average`` (called after every
+        micro-batch) counts micro-batches itself and updates when its count, incremented first, is a multiple of
+        ``gas``; the count is set here so that this happens exactly when DeepSpeed steps.
+        """
         per_epoch = len(self.replay_buffer) // self.replay_buffer.sample_batch_size  # DataLoader(drop_last=True)
         gas = max(int(self.strategy.accumulated_gradient), 1)
-        self.actor.model.set_gradient_accumulation_boundary((step + 1) % gas == 0 or step + 1 >= per_epoch)
+        boundary = (step + 1) % gas == 0 or step + 1 >= per_epoch
+        self.actor.model.set_gradient_accumulation_boundary(boundary)
+        if self.ema_model is not None:
+            self.strategy.time_steps["ema"] = gas - 1 if boundary else 0  # gas > 1 here whenever boundary is False
 
     def _round_threshold(self, old_log_probs: torch.Tensor, response: torch.Tensor) -> float:
         """``eta``, or with ``--algo.lopti_quantile`` that quantile of the response-token probabilities of the whole
