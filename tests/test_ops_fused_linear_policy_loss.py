@@ -3,6 +3,8 @@
 per-token gradients on loss, logp and entropy at once; chunking, masking, tied weights, -inf bias columns,
 memory (no [N, V] tensor), and the input checks."""
 
+import contextlib
+import copy
 import importlib
 import re
 import warnings
@@ -17,8 +19,10 @@ from openrlhf_lopti.ops import fused_linear_policy_loss, linear_log_probs
 from openrlhf_lopti.ops.fused_linear_policy_loss import default_chunk_size
 
 from .kernel_cases import textbook_policy_loss
+from .numerics import U32, Float64Shadow, assert_near_float64, assert_same_computation, fp32_error_bound
 
 linear_module = importlib.import_module("openrlhf_lopti.ops.fused_linear_policy_loss")
+fused_module = importlib.import_module("openrlhf_lopti.ops.fused_policy_loss")
 
 BACKENDS = ["torch", "triton"] + (["cpp"] if cpp_module.cpp_available() else [])  # triton: interpreter (conftest)
 OPTIONS = dict(alpha=0.3, eps_low=0.2, eps_high=0.28, dual_clip=3.0, kl_coef=0.05, kl_estimator="k3",
@@ -76,13 +80,86 @@ def random_grads(n: int, seed: int = 1, names=("loss", "logp", "entropy")) -> di
     return {name: torch.randn(n, generator=g) for name in names}
 
 
-def assert_matches(out, ref, grads, ref_grads, atol=1e-5, rtol=1e-4):
-    for name in ("loss", "logp", "kl", "entropy"):
-        torch.testing.assert_close(getattr(out, name), getattr(ref, name), atol=atol, rtol=rtol)
-    assert torch.equal(out.clipped, ref.clipped)
-    assert set(grads) == set(ref_grads)
-    for name in grads:
-        torch.testing.assert_close(grads[name].float(), ref_grads[name].float(), atol=atol, rtol=rtol)
+def in_float64(inputs: dict) -> dict:
+    """The same inputs with hidden / weight / bias as float64 (exact copies), on the CPU."""
+    return {k: None if v is None else (v.detach().cpu().double() if k in ("hidden", "weight", "bias") else v.cpu())
+            for k, v in inputs.items()}  # fmt: skip
+
+
+def float64_run(fn, inputs: dict, grads: dict, monkeypatch=None, **kw):
+    """``run(fn, ...)`` on float64 copies of the inputs under ``Float64Shadow`` (tests/numerics.py). For the fused
+    path's torch backend pass ``monkeypatch``: the test widens LOGITS_DTYPES to float64 (C++ / Triton are fp32
+    only)."""
+    if monkeypatch is not None:
+        for module in (linear_module, fused_module):
+            monkeypatch.setattr(module, "LOGITS_DTYPES", (*fused_module.LOGITS_DTYPES, torch.float64))
+    with Float64Shadow():
+        return run(fn, in_float64(inputs), {k: g.cpu().double() for k, g in grads.items()}, **kw)
+
+
+def bound_inputs(inputs: dict, temperature: float) -> tuple:
+    """(magnitude, reduction length) of :func:`tests.numerics.fp32_error_bound` for an lm_head + loss: magnitude
+    max over tokens and vocabulary of sum_k |h_k w_k| (+|b|) / T (what the GEMM's rounding and z/T's are relative to),
+    length V + H + N (logsumexp over V, the GEMM over H, grad_W's sum over the N rows)."""
+    hidden, weight, bias = (None if inputs[k] is None else inputs[k].detach().cpu().double()
+                            for k in ("hidden", "weight", "bias"))  # fmt: skip
+    z = hidden.abs() @ weight.abs().t() + (0.0 if bias is None else bias.abs().nan_to_num(posinf=0.0))
+    n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
+    return z.max().item() / temperature, v + h + n
+
+
+def assert_near_float64_run(path: str, out, grads: dict, truth, truth_grads: dict, inputs: dict, temperature: float,
+                            names=("loss", "logp", "kl", "entropy"), unit: float = U32) -> None:  # fmt: skip
+    """Each output and gradient of one fp32 path within :func:`tests.numerics.fp32_error_bound` of the float64 run:
+    scale max(1, max|output|) for the outputs, max|gradient| for each gradient (plus one ulp of its dtype)."""
+    magnitude, length = bound_inputs(inputs, temperature)
+    for name in names:
+        want = getattr(truth, name)
+        if want is None:
+            assert getattr(out, name) is None, f"{path}: {name}"
+            continue
+        finite = want[torch.isfinite(want)]
+        scale = max(1.0, finite.abs().max().item() if finite.numel() else 0.0)
+        bound = fp32_error_bound(magnitude, length, scale, unit=unit)
+        assert_near_float64(name, getattr(out, name), want, bound, path)
+    assert set(grads) == set(truth_grads), (path, set(grads), set(truth_grads))
+    for name, grad in grads.items():
+        scale = max(truth_grads[name].abs().max().item(), torch.finfo(torch.float32).tiny)
+        bound = fp32_error_bound(magnitude, length, scale, dtype=grad.dtype, unit=unit)
+        assert_near_float64(f"grad {name}", grad, truth_grads[name], bound, path)
+
+
+def assert_matches(out, ref, grads, ref_grads, inputs: dict, upstream: dict, options: dict, backend: str = "torch",
+                   monkeypatch=None, **fused_kw) -> None:  # fmt: skip
+    """The fused path (``out``, ``grads``) computes what the unfused reference (``ref``, ``ref_grads``) computes, on
+    the same ``inputs`` with the same upstream gradients. Both are measured against the float64 run of the
+    reference (:func:`assert_near_float64_run`: a failure names the path that is off). For the torch backend, with
+    ``monkeypatch``, the fused path also runs in float64 and must agree with the reference's float64 run to float64
+    rounding (:func:`tests.numerics.assert_same_computation`: the logic, some 10^8 times tighter)."""
+    temperature = options.get("temperature", 1.0)
+    truth, truth_grads = float64_run(reference, inputs, upstream, **options)
+    for path, o, g in ((f"fused ({backend})", out, grads), ("reference", ref, ref_grads)):
+        assert_near_float64_run(path, o, g, truth, truth_grads, inputs, temperature)
+    assert torch.equal(out.clipped.cpu(), ref.clipped.cpu())
+    if backend == "torch" and monkeypatch is not None:
+        fused64, fused64_grads = float64_run(fused, inputs, upstream, monkeypatch, backend="torch", **options,
+                                             **fused_kw)  # fmt: skip
+        for name in ("loss", "logp", "kl", "entropy"):
+            if getattr(truth, name) is not None:
+                assert_same_computation(name, getattr(out, name), getattr(ref, name), getattr(fused64, name),
+                                        getattr(truth, name), "fused", "reference")  # fmt: skip
+        for name in grads:
+            assert_same_computation(f"grad {name}", grads[name], ref_grads[name], fused64_grads[name],
+                                    truth_grads[name], "fused", "reference")  # fmt: skip
+
+
+def _assert_near_textbook(out, want: dict, mine, leaves, inputs: dict, temperature: float, names) -> None:
+    """The fused path's outputs and hidden / weight / bias gradients against the float64 textbook loss."""
+    truth = type("Truth", (), {k: want[k].detach() for k in names})()
+    grads = dict(zip(("hidden", "weight", "bias"), (t.grad for t in mine)))
+    truth_grads = dict(zip(("hidden", "weight", "bias"), (t.grad for t in leaves)))
+    assert_near_float64_run("fused (torch)", out, grads, truth, truth_grads, inputs, temperature, names)
+    assert torch.equal(out.clipped, want["clipped"])
 
 
 def _device(backend: str) -> str:
@@ -91,7 +168,7 @@ def _device(backend: str) -> str:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bias", [True, False])
-def test_matches_reference_with_gradients_on_loss_logp_and_entropy(backend, bias):
+def test_matches_reference_with_gradients_on_loss_logp_and_entropy(backend, bias, monkeypatch):
     inputs = {k: None if v is None else v.to(_device(backend)) for k, v in make_inputs(bias=bias).items()}
     grads = {k: v.to(_device(backend)) for k, v in random_grads(37).items()}
     # chunk 8 divides neither the kept rows nor N = 37
@@ -99,18 +176,18 @@ def test_matches_reference_with_gradients_on_loss_logp_and_entropy(backend, bias
     out, got = run(fused, inputs, grads, chunk_size=8, backend=backend, **OPTIONS)
     ref, want = run(reference, inputs, grads, **OPTIONS)
     assert out.clipped.any() and not out.clipped.all()  # the clip binds on some rows only
-    assert_matches(out, ref, got, want)
+    assert_matches(out, ref, got, want, inputs, grads, OPTIONS, backend, monkeypatch, chunk_size=8)
     mask = inputs["mask"]
     assert not mask.all() and torch.all(got["hidden"][~mask] == 0)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 28, 1000, None])
-def test_any_chunk_size_gives_the_same_result(chunk_size):
+def test_any_chunk_size_gives_the_same_result(chunk_size, monkeypatch):
     inputs = make_inputs()
     grads = random_grads(37, seed=2)
     out, got = run(fused, inputs, grads, chunk_size=chunk_size, backend="torch", **OPTIONS)
     ref, want = run(reference, inputs, grads, **OPTIONS)
-    assert_matches(out, ref, got, want)
+    assert_matches(out, ref, got, want, inputs, grads, OPTIONS, "torch", monkeypatch, chunk_size=chunk_size)
 
 
 def test_default_chunks_fill_the_byte_budget_forward_one_buffer_backward_two(monkeypatch):
@@ -125,29 +202,26 @@ def test_default_chunks_fill_the_byte_budget_forward_one_buffer_backward_two(mon
     forward, backward = [min(8, kept - s) for s in range(0, kept, 8)], [min(4, kept - s) for s in range(0, kept, 4)]
     assert recorder.rows == forward + backward  # forward: 8 rows (one buffer), backward: 4 (two buffers)
     ref, want = run(reference, inputs, grads, **OPTIONS)
-    assert_matches(out, ref, got, want)
+    assert_matches(out, ref, got, want, inputs, grads, OPTIONS)
 
 
 @pytest.mark.parametrize("grad_on", [("loss",), ("logp",), ("entropy",), ("loss", "entropy")])
-def test_each_output_alone_carries_its_gradient(grad_on):
+def test_each_output_alone_carries_its_gradient(grad_on, monkeypatch):
     inputs = make_inputs(seed=3)
     grads = random_grads(37, seed=4, names=grad_on)
     out, got = run(fused, inputs, grads, chunk_size=6, backend="torch", **OPTIONS)
     ref, want = run(reference, inputs, grads, **OPTIONS)
-    assert_matches(out, ref, got, want)
+    assert_matches(out, ref, got, want, inputs, grads, OPTIONS, "torch", monkeypatch, chunk_size=6)
 
 
-def test_temperature_and_no_kl_no_entropy():
+def test_temperature_and_no_kl_no_entropy(monkeypatch):
     inputs = make_inputs(seed=5)
     options = dict(temperature=1.7, alpha=0.0, eps_high=0.2, return_entropy=False)
     grads = random_grads(37, seed=6, names=("loss", "logp"))
     out, got = run(fused, inputs, grads, chunk_size=7, backend="torch", **options)
     ref, want = run(reference, inputs, grads, **options)
     assert out.entropy is None and ref.entropy is None
-    for name in ("loss", "logp", "kl"):
-        torch.testing.assert_close(getattr(out, name), getattr(ref, name), atol=1e-5, rtol=1e-4)
-    for name in got:
-        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4)
+    assert_matches(out, ref, got, want, inputs, grads, options, "torch", monkeypatch, chunk_size=7)
 
 
 @pytest.mark.parametrize("backend", ["torch"] + (["cpp"] if cpp_module.cpp_available() else []))
@@ -158,11 +232,19 @@ def test_bfloat16_tiny(backend, monkeypatch):
     out, got = run(fused, inputs, grads, chunk_size=4, backend=backend, **OPTIONS)
     ref, want = run(reference, inputs, grads, **OPTIONS)  # bf16 logits, bf16 lm_head backward
     assert got["hidden"].dtype == got["weight"].dtype == got["bias"].dtype == torch.bfloat16
-    for name in ("loss", "logp", "entropy"):
-        torch.testing.assert_close(getattr(out, name), getattr(ref, name), atol=1e-3, rtol=1e-3)
-    # The reference rounds grad_W once from a bf16 GEMM over all rows; ours sums chunks in fp32: an ulp apart.
+    # Both paths round the lm_head's logits to bf16, so neither is near the float64 truth to fp32 precision: the
+    # rule of tests/numerics.py instead. Logic: the fused path (its torch backend: C++ is fp32 only) and the
+    # reference in float64 on the same values agree to float64 rounding. Precision: each bf16 run's error against
+    # that float64 run is within ACCURACY_RATIO of the other's (the reference rounds grad_W once from a bf16 GEMM
+    # over all rows; ours sums chunks in fp32).
+    truth, truth_grads = float64_run(reference, inputs, grads, **OPTIONS)
+    fused64, fused64_grads = float64_run(fused, inputs, grads, monkeypatch, chunk_size=4, backend="torch", **OPTIONS)
+    for name in ("loss", "logp", "kl", "entropy"):
+        assert_same_computation(name, getattr(out, name), getattr(ref, name), getattr(fused64, name),
+                                getattr(truth, name), f"fused ({backend})", "reference")  # fmt: skip
     for name in got:
-        torch.testing.assert_close(got[name].float(), want[name].float(), atol=2e-2, rtol=1e-2)
+        assert_same_computation(f"grad {name}", got[name], want[name], fused64_grads[name], truth_grads[name],
+                                f"fused ({backend})", "reference")  # fmt: skip
 
 
 def test_small_weight_gradients_survive_bf16():
@@ -183,7 +265,7 @@ def test_small_weight_gradients_survive_bf16():
     torch.testing.assert_close(weight.grad[1:].float(), expected[:, None].expand(-1, h), rtol=1e-2, atol=0)
 
 
-def test_tied_embedding_gets_both_gradients():
+def test_tied_embedding_gets_both_gradients(monkeypatch):
     """The lm_head weight is the input embedding: its gradient must add to the embedding's."""
     v, h, n = 30, 8, 20
     g = torch.Generator().manual_seed(9)
@@ -192,24 +274,29 @@ def test_tied_embedding_gets_both_gradients():
     mask = torch.rand(n, generator=g) > 0.2
     old, adv = -torch.rand(n, generator=g) * 3, torch.randn(n, generator=g)
     grads = random_grads(n, seed=10)
-    results = []
-    for use_fused in (True, False):
-        torch.manual_seed(0)
-        embedding = torch.nn.Embedding(v, h)
-        mix = torch.nn.Linear(h, h)
-        hidden = torch.tanh(mix(embedding(ids)))
-        if use_fused:
-            out = fused_linear_policy_loss(hidden, embedding.weight, labels, old, adv, mask, chunk_size=3,
-                                           backend="torch", **OPTIONS | dict(kl_coef=0.0))  # fmt: skip
-        else:
-            out = policy_loss_from_logits(hidden @ embedding.weight.t(), labels, old, adv, mask,
-                                          **OPTIONS | dict(kl_coef=0.0))  # fmt: skip
-        sum((getattr(out, k) * t).sum() for k, t in grads.items()).backward()
-        results.append((embedding.weight.grad, mix.weight.grad))
-    (emb_fused, mix_fused), (emb_ref, mix_ref) = results
-    torch.testing.assert_close(emb_fused, emb_ref, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(mix_fused, mix_ref, atol=1e-5, rtol=1e-4)
-    assert emb_ref[ids[mask]].abs().sum() > 0
+    torch.manual_seed(0)
+    modules = (torch.nn.Embedding(v, h), torch.nn.Linear(h, h))
+    for module in (linear_module, fused_module):  # the float64 runs (the torch backend takes float64 in tests)
+        monkeypatch.setattr(module, "LOGITS_DTYPES", (*fused_module.LOGITS_DTYPES, torch.float64))
+    results = {}
+    for use_fused, precision in ((True, torch.float32), (False, torch.float32), (True, torch.float64),
+                                 (False, torch.float64)):  # fmt: skip
+        embedding, mix = (copy.deepcopy(m).to(precision) for m in modules)  # the same weights in each run
+        with Float64Shadow() if precision == torch.float64 else contextlib.nullcontext():
+            hidden = torch.tanh(mix(embedding(ids)))
+            if use_fused:
+                out = fused_linear_policy_loss(hidden, embedding.weight, labels, old, adv, mask, chunk_size=3,
+                                               backend="torch", **OPTIONS | dict(kl_coef=0.0))  # fmt: skip
+            else:
+                out = policy_loss_from_logits(hidden @ embedding.weight.t(), labels, old, adv, mask,
+                                              **OPTIONS | dict(kl_coef=0.0))  # fmt: skip
+            sum((getattr(out, k) * t).sum() for k, t in grads.items()).backward()
+        results[use_fused, precision] = (embedding.weight.grad, mix.weight.grad)
+    for i, name in enumerate(("embedding", "mix")):
+        runs = [results[key][i] for key in ((True, torch.float32), (False, torch.float32), (True, torch.float64),
+                                            (False, torch.float64))]  # fmt: skip
+        assert_same_computation(f"grad {name}", *runs, "fused", "reference")
+    assert results[False, torch.float32][0][ids[mask]].abs().sum() > 0
 
 
 class _Recorder:
@@ -255,10 +342,10 @@ def test_frozen_weight_gets_no_gradient_and_no_weight_matmul():
     rest = {k: v for k, v in inputs.items() if k not in ("hidden", "weight", "bias")}
     out = fused(hidden, weight, None, rest, chunk_size=8, backend="torch", **OPTIONS)
     out.loss.sum().backward()
-    ref_hidden = hidden.detach().clone().requires_grad_(True)
-    reference(ref_hidden, weight, None, rest, **OPTIONS).loss.sum().backward()
     assert weight.grad is None
-    torch.testing.assert_close(hidden.grad, ref_hidden.grad, atol=1e-5, rtol=1e-4)
+    truth, truth_grads = float64_run(reference, dict(inputs, bias=None), {"loss": torch.ones(37)}, **OPTIONS)
+    assert_near_float64_run("fused (torch)", out, {"hidden": hidden.grad}, truth, {"hidden": truth_grads["hidden"]},
+                            dict(inputs, bias=None), OPTIONS["temperature"])  # fmt: skip
 
 
 def _neg_inf_case(backend: str, with_entropy: bool):
@@ -279,11 +366,10 @@ def _neg_inf_case(backend: str, with_entropy: bool):
     removed = dict(inputs, weight=inputs["weight"][keep_cols], bias=inputs["bias"][keep_cols],
                    labels=new_id[inputs["labels"]])  # fmt: skip
     ref, want = run(reference, removed, grads, **options)
-    for name in names + ("kl",):
-        torch.testing.assert_close(getattr(out, name), getattr(ref, name), atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got["hidden"], want["hidden"], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got["weight"][keep_cols], want["weight"], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got["bias"][keep_cols], want["bias"], atol=1e-5, rtol=1e-4)
+    truth, truth_grads = float64_run(reference, removed, grads, **options)  # the "columns removed" definition
+    kept = dict(hidden=got["hidden"], weight=got["weight"][keep_cols], bias=got["bias"][keep_cols])
+    for path, o, g in ((f"fused ({backend})", out, kept), ("reference", ref, want)):
+        assert_near_float64_run(path, o, g, truth, truth_grads, removed, options["temperature"], names + ("kl",))
     assert torch.equal(got["weight"][banned], torch.zeros_like(got["weight"][banned]))  # exactly 0
     assert torch.equal(got["bias"][banned], torch.zeros_like(got["bias"][banned]))
 
@@ -337,17 +423,27 @@ def test_linear_log_probs_matches_token_logprobs():
             logp, ent = linear_log_probs(hidden, inputs["weight"], inputs["labels"], bias=inputs["bias"], mask=mask,
                                          temperature=0.6, return_entropy=entropy, chunk_size=9,
                                          backend=backend)  # fmt: skip
-            want_logp, want_ent = token_logprobs(hidden.detach() @ inputs["weight"].t() + inputs["bias"],
-                                                 inputs["labels"], 0.6)  # fmt: skip
-            zero = torch.zeros(())
-            torch.testing.assert_close(logp, torch.where(mask, want_logp, zero), atol=1e-5, rtol=1e-4)
+            with Float64Shadow():  # token_logprobs on the float64 lm_head: the truth
+                h64, w64, b64 = (inputs[k].detach().double() for k in ("hidden", "weight", "bias"))
+                want_logp, want_ent = token_logprobs(h64 @ w64.t() + b64, inputs["labels"], 0.6)
+            zero = torch.zeros((), dtype=torch.float64)
+            magnitude, length = bound_inputs(inputs, 0.6)
+            for name, got, want in (("logp", logp, want_logp), ("entropy", ent, want_ent)):
+                if name == "entropy" and not entropy:
+                    continue
+                scale = max(1.0, want.abs().max().item())
+                assert_near_float64(name, got, torch.where(mask, want, zero), fp32_error_bound(magnitude, length, scale),
+                                    backend)  # fmt: skip
             assert logp.dtype == torch.float32 and logp.grad_fn is None and not logp.requires_grad
             if entropy:
-                torch.testing.assert_close(ent, torch.where(mask, want_ent, zero), atol=1e-5, rtol=1e-4)
+                assert ent.dtype == torch.float32
             else:
                 assert ent is None
     logp, _ = linear_log_probs(hidden, inputs["weight"], inputs["labels"], backend="torch")  # mask None: all rows
-    torch.testing.assert_close(logp, token_logprobs(hidden.detach() @ inputs["weight"].t(), inputs["labels"])[0])
+    with Float64Shadow():
+        want = token_logprobs(inputs["hidden"].detach().double() @ inputs["weight"].double().t(), inputs["labels"])[0]
+    magnitude, length = bound_inputs(dict(inputs, bias=None), 1.0)
+    assert_near_float64("logp (mask None)", logp, want, fp32_error_bound(magnitude, length, want.abs().max().item()))
 
 
 N, H, V = 5, 4, 7
@@ -472,11 +568,7 @@ def test_defaults_are_the_textbook_loss():
     keep, adv = inputs["mask"], inputs["advantages"]
     assert (keep & (ratio > 1.2) & (adv > 0)).any() and (keep & (ratio < 0.8) & (adv < 0)).any()  # both clips bind
     want["loss"].sum().backward()
-    for name in ("loss", "logp", "kl"):
-        torch.testing.assert_close(getattr(out, name).double(), want[name].detach(), rtol=1e-5, atol=1e-5)
-    assert torch.equal(out.clipped, want["clipped"])
-    for mine, ref in zip((hidden, weight, bias), leaves):
-        torch.testing.assert_close(mine.grad.double(), ref.grad, rtol=1e-4, atol=1e-5)
+    _assert_near_textbook(out, want, (hidden, weight, bias), leaves, inputs, 1.0, ("loss", "logp", "kl"))
 
 
 def test_linear_log_probs_returns_no_entropy_by_default():
@@ -515,11 +607,7 @@ def test_every_option_reaches_the_kernel():
     keep, adv = inputs["mask"], inputs["advantages"]
     assert (keep & (ratio < 0.9) & (ratio > 0.8) & (adv < 0)).any()  # eps_low 0.1 binds where 0.2 would not
     (want["loss"].sum() + 0.5 * want["entropy"].sum()).backward()
-    for name in ("loss", "logp", "kl", "entropy"):
-        torch.testing.assert_close(getattr(out, name).double(), want[name].detach(), rtol=1e-5, atol=1e-5)
-    assert torch.equal(out.clipped, want["clipped"])
-    for mine, ref in zip((hidden, weight, bias), leaves):
-        torch.testing.assert_close(mine.grad.double(), ref.grad, rtol=1e-4, atol=1e-5)
+    _assert_near_textbook(out, want, (hidden, weight, bias), leaves, inputs, 0.7, ("loss", "logp", "kl", "entropy"))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -552,7 +640,10 @@ def test_chunk_logits_are_written_into_one_reused_buffer(monkeypatch, bias):
     got = real(h, w, inputs["bias"], buffer[:10])
     want = h @ w.t() if inputs["bias"] is None else h @ w.t() + inputs["bias"]
     assert got.data_ptr() == buffer.data_ptr()
-    torch.testing.assert_close(got, want)
+    with Float64Shadow():
+        want = h.double() @ w.double().t() + (0.0 if inputs["bias"] is None else inputs["bias"].double())
+    magnitude, length = bound_inputs(dict(inputs, hidden=h), 1.0)
+    assert_near_float64("chunk logits", got, want, fp32_error_bound(magnitude, inputs["weight"].shape[1], 1.0))
 
 
 def test_default_chunks_of_a_bf16_model_count_two_bytes_a_logit(monkeypatch):
@@ -578,8 +669,8 @@ def test_outputs_are_float32_whatever_the_default_dtype():
     for name in ("loss", "logp", "kl", "entropy"):
         assert getattr(out, name).dtype == torch.float32, name
     assert logp.dtype == entropy.dtype == torch.float32
-    ref = reference(inputs["hidden"], inputs["weight"], inputs["bias"], rest, **OPTIONS)
-    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-4)
+    truth, _ = float64_run(reference, inputs, {"loss": torch.ones(37)}, **OPTIONS)
+    assert_near_float64_run("fused (torch)", out, {}, truth, {}, inputs, OPTIONS["temperature"], ("loss",))
 
 
 @pytest.mark.parametrize("backend", ["torch"] + (["cpp"] if cpp_module.cpp_available() else []))

@@ -17,7 +17,7 @@ from openrlhf_lopti.ops import fused_policy_loss
 # The package re-exports the function under the module's name, so fetch the module itself.
 fused_module = importlib.import_module("openrlhf_lopti.ops.fused_policy_loss")
 
-from .kernel_cases import Case, make_inputs, options, textbook_policy_loss
+from .kernel_cases import Case, assert_near_truth, make_inputs, options, reference_truth, textbook_policy_loss
 
 N, V = 6, 11
 
@@ -209,19 +209,16 @@ def test_float64_per_token_inputs_are_read_as_float32(backend):
     the precision of the whole loss (as the reference does): float64 gives the float32 inputs' results."""
     case = Case(n=12, v=30, alpha=0.3, kl="k3", entropy=True, seed=2)
     inputs = make_inputs(case)
-    results = []
+    objective = lambda out: out.loss.sum() + out.entropy.sum()  # noqa: E731
+    truth, truth_grad = reference_truth(inputs, options(case), objective)  # float64, from the fp32 vectors
     for cast in (torch.float64, torch.float32):
         vectors = {k: inputs[k].to(cast) for k in ("old_log_probs", "advantages", "ref_log_probs")}
         logits = inputs["logits"].clone().requires_grad_(True)
         fn = policy_loss_from_logits if cast == torch.float32 else functools.partial(fused_policy_loss, backend=backend)
         out = fn(logits, inputs["labels"], mask=inputs["mask"], **vectors, **options(case))
-        (out.loss.sum() + out.entropy.sum()).backward()
-        results.append((out, logits.grad))
-    (got, got_grad), (want, want_grad) = results
-    for name in ("loss", "logp", "kl", "entropy"):
-        assert getattr(got, name).dtype == torch.float32
-        torch.testing.assert_close(getattr(got, name), getattr(want, name).detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+        objective(out).backward()
+        path = "reference (fp32 vectors)" if cast == torch.float32 else f"{backend} (float64 vectors)"
+        assert_near_truth(path, out, logits.grad, truth, truth_grad, inputs["logits"], case.temperature)
 
 
 def _backends() -> list:
@@ -338,8 +335,9 @@ def test_auto_here_runs_and_matches_the_reference():
         )  # fmt: skip
         for backend in ("auto", "torch")
     ]
-    for name in ("loss", "logp", "kl", "entropy"):
-        torch.testing.assert_close(getattr(outs[0], name), getattr(outs[1], name), rtol=1e-5, atol=1e-5)
+    truth, _ = reference_truth(inputs, options(case), lambda out: out.loss.sum())
+    for backend, out in zip(("auto", "torch"), outs):
+        assert_near_truth(backend, out, None, truth, None, inputs["logits"], case.temperature)
 
 
 def test_defaults_run_the_plain_loss_on_the_auto_backend():
@@ -351,8 +349,7 @@ def test_defaults_run_the_plain_loss_on_the_auto_backend():
     assert out.entropy is None and out.clipped.any()
     opts = dict(alpha=0.0, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", temperature=1.0)
     want = textbook_policy_loss(dict(inputs, ref_log_probs=None), opts, inputs["logits"])
-    torch.testing.assert_close(out.loss.double(), want["loss"], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out.logp.double(), want["logp"], rtol=1e-5, atol=1e-6)
+    assert_near_truth("auto", out, None, want, None, inputs["logits"], 1.0, fields=("loss", "logp"))
 
 
 @pytest.mark.parametrize("backend", ["cpp", "triton"])
