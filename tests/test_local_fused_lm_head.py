@@ -2,7 +2,9 @@
 the lm_head weight (tied to the embedding in the tiny Llama), never the model's logits, and give the same
 parameters and log-probs as the unfused path."""
 
+import contextlib
 import copy
+import importlib
 
 import pytest
 import torch
@@ -17,6 +19,19 @@ from openrlhf_lopti.local.rollout import generate_rollouts, response_logprobs
 from openrlhf_lopti.local.task import compact_prompt, puzzles
 from openrlhf_lopti.local.update import update_policy
 from openrlhf_lopti.ops.cpp_policy_loss import cpp_available
+
+from .numerics import Float64Shadow, assert_same_computation, scalars_same_computation
+
+
+@pytest.fixture
+def float64(monkeypatch):
+    """``with float64(): ...`` runs under tests.numerics.Float64Shadow, with the fused loss's input dtypes widened
+    to float64 (a test-only widening: the torch backend then takes float64 hidden states / logits)."""
+    fused_module = importlib.import_module("openrlhf_lopti.ops.fused_policy_loss")
+    linear_module = importlib.import_module("openrlhf_lopti.ops.fused_linear_policy_loss")
+    for module in (fused_module, linear_module):
+        monkeypatch.setattr(module, "LOGITS_DTYPES", (*fused_module.LOGITS_DTYPES, torch.float64))
+    return Float64Shadow
 
 
 @pytest.fixture(scope="module")
@@ -52,25 +67,39 @@ class LmHeadCalls:
         self.count += 1
 
 
-def test_response_logprobs_fused_matches_token_logprobs(tiny):
+def test_response_logprobs_fused_matches_token_logprobs(tiny, float64):
+    """The fused pass (micro-batches of 3) gives token_logprobs of the whole model's logits: the rule of
+    tests/numerics.py (both paths run again in float64 on a float64 copy of the model and must agree to float64
+    rounding; each fp32 run's error against its float64 run is judged against the other's)."""
     model, tok = tiny
     _, rollout = rollout_of(model, tok)
-    fused = response_logprobs(model, rollout, 0.8, micro_batch_size=3, fused_lm_head=True, backend="torch")
-    with torch.no_grad():
-        logits = model(input_ids=rollout.sequences, attention_mask=rollout.attention_mask,
-                       position_ids=(rollout.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits  # fmt: skip
-    logits = logits[:, rollout.prompt_len - 1 : -1]
-    labels = rollout.sequences[:, rollout.prompt_len :]
-    want, _ = token_logprobs(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), 0.8)
-    want = want.view_as(fused) * rollout.action_mask
-    torch.testing.assert_close(fused, want, atol=1e-5, rtol=1e-5)
-    assert torch.all(fused[~rollout.action_mask] == 0)
+
+    def unfused(model):
+        with torch.no_grad():
+            logits = model(input_ids=rollout.sequences, attention_mask=rollout.attention_mask,
+                           position_ids=(rollout.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits  # fmt: skip
+        logits = logits[:, rollout.prompt_len - 1 : -1]
+        labels = rollout.sequences[:, rollout.prompt_len :]
+        want, _ = token_logprobs(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), 0.8)
+        return want.view(labels.shape) * rollout.action_mask
+
+    def fused(model):
+        return response_logprobs(model, rollout, 0.8, micro_batch_size=3, fused_lm_head=True, backend="torch")
+
+    got, want = fused(model), unfused(model)
+    model64 = copy.deepcopy(model).double()
+    with float64():
+        got64, want64 = fused(model64), unfused(model64)
+    assert_same_computation("log-probs", got, want, got64, want64, "fused lm_head", "token_logprobs")
+    assert torch.all(got[~rollout.action_mask] == 0)
 
 
 @pytest.mark.parametrize("backend", ["torch"] + (["cpp"] if cpp_available() else []))
-def test_update_with_fused_lm_head_equals_unfused(tiny, backend):
-    """Same batch, same seeds: parameters after the update agree to fp32 tolerance (Lopti's two phases,
-    AR, k3 KL through logp, micro-batches of 3 responses)."""
+def test_update_with_fused_lm_head_equals_unfused(tiny, backend, float64):
+    """Same batch, same seeds: the same update (Lopti's two phases, AR, k3 KL through logp, micro-batches of 3
+    responses), by the rule of tests/numerics.py: each path runs again in float64 (a float64 copy of the model;
+    the C++ kernel is fp32 only, so its float64 run is the torch backend's), the float64 runs agree to float64
+    rounding, and each fp32 run's error is judged against the other's (SGD: no AdamW step in between)."""
     model, tok = tiny
     records, rollout = rollout_of(model, tok)
     old = response_logprobs(model, rollout, 0.8)
@@ -78,20 +107,33 @@ def test_update_with_fused_lm_head_equals_unfused(tiny, backend):
     sign = torch.tensor([1.0, -1.0] * 4).view(-1, 1)
     exp = Experience(rollout, old, ref, sign * rollout.action_mask, torch.zeros(8), torch.zeros(8, dtype=torch.bool),
                      torch.ones(8, dtype=torch.bool))  # fmt: skip
-    after, metrics = [], []
-    for fused in (False, True):
-        cfg = cfg_for(fused_lm_head=fused, loss_backend=backend, lopti=True, alpha=0.3, kl_coef=0.05, lr=0.5)
-        policy = copy.deepcopy(model)
+    exp64 = Experience(rollout, *(t.double() for t in (old, ref, sign * rollout.action_mask, torch.zeros(8))),
+                       torch.zeros(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool))  # fmt: skip
+    runs = {}
+    for fused, precision in ((False, torch.float32), (True, torch.float32), (False, torch.float64),
+                             (True, torch.float64)):  # fmt: skip
+        cfg = cfg_for(fused_lm_head=fused, loss_backend=backend if precision == torch.float32 else "torch",
+                      lopti=True, alpha=0.3, kl_coef=0.05, lr=0.5)  # fmt: skip
+        policy = copy.deepcopy(model).to(precision)
         optimizer = torch.optim.SGD(policy.parameters(), lr=cfg.lr)  # AdamW's first step is sign(g): too lenient
-        metrics.append(update_policy(policy, optimizer, exp, cfg, torch.Generator().manual_seed(0)))
-        after.append(dict(policy.named_parameters()))
-    assert metrics[0]["phase1_tokens"] > 0 and metrics[0]["phase2_tokens"] > 0
-    for key in ("loss", "entropy", "clip_ratio", "grad_norm", "phase1_loss", "phase2_loss"):
-        assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-5, abs=1e-7), key
+        with float64() if precision == torch.float64 else contextlib.nullcontext():
+            metrics = update_policy(policy, optimizer, exp if precision == torch.float32 else exp64, cfg,
+                                    torch.Generator().manual_seed(0))  # fmt: skip
+        steps = {name: (p.detach() - start.detach().to(precision)) for (name, p), start
+                 in zip(policy.named_parameters(), model.parameters())}  # fmt: skip
+        runs[fused, precision] = metrics, steps
+    order = [runs[key] for key in ((True, torch.float32), (False, torch.float32), (True, torch.float64),
+                                   (False, torch.float64))]  # fmt: skip
+    metrics = [m for m, _ in order]
+    assert metrics[1]["phase1_tokens"] > 0 and metrics[1]["phase2_tokens"] > 0
+    for key in ("loss", "entropy", "grad_norm", "phase1_loss", "phase2_loss"):
+        scalars_same_computation(key, *(m[key] for m in metrics), a_name="fused", b_name="unfused")
+    for key in ("clip_ratio", "phase1_tokens", "phase2_tokens"):  # counts: the same tokens in every run
+        assert len({m[key] for m in metrics}) == 1, (key, [m[key] for m in metrics])
     moved = 0.0
-    for name, start in model.named_parameters():
-        torch.testing.assert_close(after[1][name], after[0][name], atol=1e-6, rtol=1e-5)
-        moved = max(moved, float((after[0][name] - start).detach().abs().max()))
+    for name, _ in model.named_parameters():
+        assert_same_computation(f"step of {name}", *(steps[name] for _, steps in order), "fused", "unfused")
+        moved = max(moved, float(order[1][1][name].abs().max()))
     assert moved > 1e-3  # the step did something to compare
 
 
