@@ -130,6 +130,17 @@ def _run(fn, inputs: dict, opts: dict, upstream: dict):
     return out, logits.grad
 
 
+def allow_float64_logits(monkeypatch) -> None:
+    """Test-only widening: the fused loss (``fused_policy_loss`` and ``fused_linear_policy_loss``, torch backend)
+    accepts float64 logits / hidden states, so float64 runs of a whole path (tests/numerics.py) can use it."""
+    import importlib
+
+    fused_module = importlib.import_module("openrlhf_lopti.ops.fused_policy_loss")
+    linear_module = importlib.import_module("openrlhf_lopti.ops.fused_linear_policy_loss")
+    for module in (fused_module, linear_module):
+        monkeypatch.setattr(module, "LOGITS_DTYPES", (*fused_module.LOGITS_DTYPES, torch.float64))
+
+
 def reference_truth(inputs: dict, opts: dict, objective):
     """The reference (``policy_loss_from_logits``) on the same inputs, run in float64 (tests/numerics.py,
     ``Float64Shadow``): the truth each fp32 path is measured against. ``objective(outputs)`` gives the scalar to

@@ -4,7 +4,6 @@ parameters and log-probs as the unfused path."""
 
 import contextlib
 import copy
-import importlib
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from openrlhf_lopti.local.task import compact_prompt, puzzles
 from openrlhf_lopti.local.update import update_policy
 from openrlhf_lopti.ops.cpp_policy_loss import cpp_available
 
+from .kernel_cases import allow_float64_logits
 from .numerics import Float64Shadow, assert_same_computation, scalars_same_computation
 
 
@@ -27,10 +27,7 @@ from .numerics import Float64Shadow, assert_same_computation, scalars_same_compu
 def float64(monkeypatch):
     """``with float64(): ...`` runs under tests.numerics.Float64Shadow, with the fused loss's input dtypes widened
     to float64 (a test-only widening: the torch backend then takes float64 hidden states / logits)."""
-    fused_module = importlib.import_module("openrlhf_lopti.ops.fused_policy_loss")
-    linear_module = importlib.import_module("openrlhf_lopti.ops.fused_linear_policy_loss")
-    for module in (fused_module, linear_module):
-        monkeypatch.setattr(module, "LOGITS_DTYPES", (*fused_module.LOGITS_DTYPES, torch.float64))
+    allow_float64_logits(monkeypatch)
     return Float64Shadow
 
 

@@ -17,7 +17,8 @@ from openrlhf_lopti.local.rollout import Rollout, generate_rollouts, response_lo
 from openrlhf_lopti.local.task import compact_prompt, puzzles
 from openrlhf_lopti.local.update import phase_part, update_policy
 
-from .kernel_cases import textbook_policy_loss
+from .kernel_cases import allow_float64_logits, textbook_policy_loss
+from .numerics import Float64Shadow, assert_all_same_computation, scalars_same_computation
 
 
 @pytest.fixture(scope="module")
@@ -174,20 +175,29 @@ def test_lopti_runs_two_phases_in_order_on_updated_weights(peaked, monkeypatch, 
     assert torch.allclose(first["logits"].sort(0).values, start[expected[0]].sort(0).values, atol=1e-6)
 
 
-def test_lopti_token_mean_uses_all_response_tokens(peaked):
-    """With a zero learning rate the two phases' losses add up to plain GRPO's loss on the batch."""
+def test_lopti_token_mean_uses_all_response_tokens(peaked, float64):
+    """With a zero learning rate the two phases' losses add up to plain GRPO's loss on the batch (the rule of
+    tests/numerics.py: the same comparison in float64 on float64 copies must hold to float64 rounding)."""
     model, tok = peaked
     exp = fixed_experience(model, tok, temperature=1.0)
-    losses = {}
     probs = exp.old_log_probs[exp.rollout.action_mask].exp()
     assert (probs < 0.5).any() and (probs >= 0.5).any()
-    for lopti in (False, True):
-        cfg = cfg_for(lopti=lopti, mini_batch_size=3)
-        m = update_policy(copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0), exp, cfg)
-        losses[lopti] = m
-    assert losses[True]["phase1_tokens"] + losses[True]["phase2_tokens"] == int(exp.rollout.action_mask.sum())
-    assert losses[True]["loss"] == pytest.approx(losses[False]["loss"], abs=1e-6)
-    assert losses[True]["phase1_loss"] + losses[True]["phase2_loss"] == pytest.approx(losses[False]["loss"], abs=1e-6)
+
+    def losses(model, exp):
+        runs = {}
+        for lopti in (False, True):
+            cfg = cfg_for(lopti=lopti, mini_batch_size=3)
+            policy = copy.deepcopy(model)
+            runs[lopti] = update_policy(policy, torch.optim.SGD(policy.parameters(), lr=0.0), exp, cfg)
+        return runs
+
+    runs = losses(model, exp)
+    with float64():
+        runs64 = losses(*float64_copy(model, exp))
+    assert runs[True]["phase1_tokens"] + runs[True]["phase2_tokens"] == int(exp.rollout.action_mask.sum())
+    for name, of in (("loss", lambda m: m["loss"]), ("phase sum", lambda m: m["phase1_loss"] + m["phase2_loss"])):
+        scalars_same_computation(name, of(runs[True]), runs[False]["loss"], of(runs64[True]), runs64[False]["loss"],
+                                 a_name="lopti", b_name="grpo")  # fmt: skip
 
 
 def test_an_empty_phase_is_skipped(tiny):
@@ -261,13 +271,51 @@ def with_biased_head(model, seed=0):
     return model
 
 
+@pytest.fixture
+def float64(monkeypatch):
+    """``with float64(): ...`` runs under tests.numerics.Float64Shadow (float64 runs of a whole update; the fused
+    loss's torch backend widened to take float64 in tests)."""
+    allow_float64_logits(monkeypatch)
+    return Float64Shadow
+
+
+def float64_copy(model, exp):
+    """The same model and experience as float64 (exact copies), for the float64 run of a comparison."""
+    doubled = {k: getattr(exp, k).double() for k in ("old_log_probs", "ref_log_probs", "advantages", "rewards")
+               if getattr(exp, k) is not None}  # fmt: skip
+    return copy.deepcopy(model).double(), dataclasses.replace(exp, **doubled)
+
+
+def one_step_both_ways(model, exp, cfg, kl_coef, grad_clip, lr):
+    """One SGD step by ``update_policy`` and by the loss written out: ``(ours, written)``, each a dict of the
+    metrics and ``after`` (the parameters after the step: ``p - lr * g`` written out, as the original test did; a
+    step recovered by subtracting fp32 parameters would carry a rounding of |p|, not of the step), plus the written
+    loss's outputs and grad norm."""
+    mask = exp.rollout.action_mask
+    n = int(mask.sum())
+    reference = copy.deepcopy(model)
+    out = written_loss(reference, exp, cfg, mask, kl_coef)
+    grads, norm = written_grads(reference, out["loss"].sum() / n)
+    scale = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip > 0 else 1.0
+    written = dict(loss=float(out["loss"].detach().sum()) / n, entropy=float(out["entropy"].mean()), grad_norm=norm,
+                   clip_ratio=float(out["clipped"].double().mean()),
+                   after=[p.detach() - lr * scale * g for p, g in zip(model.parameters(), grads)])  # fmt: skip
+    policy = copy.deepcopy(model)
+    m = update_policy(policy, torch.optim.SGD(policy.parameters(), lr=lr), exp, cfg, torch.Generator().manual_seed(0))
+    assert all(p.grad is None for p in policy.parameters())  # gradients freed after the update
+    ours = dict(m, after=[p.detach() for p in policy.parameters()])
+    return ours, written, out, norm
+
+
 @pytest.mark.parametrize(
     "estimator, grad_clip, fused_lm_head",
     [("grpo", 0.05, False), ("grpo", 0.0, False), ("reinforce++", 0.05, False), ("grpo", 0.05, True)],
 )
-def test_one_step_matches_the_loss_written_out(peaked, estimator, grad_clip, fused_lm_head):
+def test_one_step_matches_the_loss_written_out(peaked, estimator, grad_clip, fused_lm_head, float64):
     """One SGD step against the loss written out; with ``fused_lm_head``, on an lm_head with a bias (the HF
-    forward's logits, bias included, are the reference)."""
+    forward's logits, bias included, are the reference). "The same step" by the rule of tests/numerics.py: both
+    run again on a float64 copy of the model and experience and must agree to float64 rounding; each fp32 run's
+    error against its float64 run is judged against the other's (SGD: no AdamW in between)."""
     model, tok = peaked
     model = copy.deepcopy(model)
     if fused_lm_head:
@@ -276,28 +324,21 @@ def test_one_step_matches_the_loss_written_out(peaked, estimator, grad_clip, fus
     exp = written_experience(model, tok)
     cfg = cfg_for(estimator=estimator, kl_coef=1.0, kl_estimator="k2", eps_low=0.1, eps_high=0.3, alpha=0.3,
                   grad_clip=grad_clip, mini_batch_size=8, micro_batch_size=3, fused_lm_head=fused_lm_head)  # fmt: skip
-    mask = exp.rollout.action_mask
-    n = int(mask.sum())
     kl_coef = 1.0 if estimator == "grpo" else 0.0  # REINFORCE++ has its KL in the reward, not in the loss
-    reference = copy.deepcopy(model)
-    out = written_loss(reference, exp, cfg, mask, kl_coef)
-    grads, norm = written_grads(reference, out["loss"].sum() / n)
-    scale = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip > 0 else 1.0
-    assert grad_clip == 0 or norm > 2 * grad_clip  # the clip is exercised
     lr = 0.1
-    expected = [p.detach() - lr * scale * g for p, g in zip(reference.parameters(), grads)]
-
-    m = update_policy(model, torch.optim.SGD(model.parameters(), lr=lr), exp, cfg, torch.Generator().manual_seed(0))
-    clipped = out["clipped"].double()
-    assert 0 < float(clipped.mean()) < 1  # micro-batches of 3 responses: several hold clipped tokens
-    assert m["optimizer_steps"] == 1
-    assert m["loss"] == pytest.approx(float(out["loss"].detach().sum()) / n, rel=1e-5, abs=1e-7)
-    assert m["clip_ratio"] == pytest.approx(float(clipped.mean()), rel=1e-6)
-    assert m["entropy"] == pytest.approx(float(out["entropy"].mean()), rel=1e-5)
-    assert m["grad_norm"] == pytest.approx(norm, rel=1e-4)
-    for p, want in zip(model.parameters(), expected):
-        assert torch.allclose(p.detach(), want, atol=1e-6, rtol=1e-5)
-    assert all(p.grad is None for p in model.parameters())  # gradients freed after the update
+    ours, written, out, norm = one_step_both_ways(model, exp, cfg, kl_coef, grad_clip, lr)
+    with float64():
+        ours64, written64, _, _ = one_step_both_ways(*float64_copy(model, exp), cfg, kl_coef, grad_clip, lr)
+    assert grad_clip == 0 or norm > 2 * grad_clip  # the clip is exercised
+    assert 0 < written["clip_ratio"] < 1  # micro-batches of 3 responses: several hold clipped tokens
+    assert ours["optimizer_steps"] == 1
+    assert ours["clip_ratio"] == pytest.approx(written["clip_ratio"], rel=1e-6)  # a count: the same tokens clip
+    for key in ("loss", "entropy", "grad_norm"):
+        scalars_same_computation(key, ours[key], written[key], ours64[key], written64[key], a_name="update_policy",
+                                 b_name="written out")  # fmt: skip
+    assert_all_same_computation("parameter", ours["after"], written["after"], ours64["after"], written64["after"],
+                                a_name="update_policy", b_name="written out")  # fmt: skip
+    assert max(float((a - p.detach()).abs().max()) for a, p in zip(ours["after"], model.parameters())) > 1e-4
 
 
 def split_experience(model, tok):
