@@ -18,6 +18,7 @@ from openrlhf_lopti.algo import (
 from openrlhf_lopti.algo.policy_loss import bad_logit_row_error, check_logit_rows, first_flagged_row
 
 from .kernel_cases import Case, make_inputs, options, textbook_policy_loss
+from .numerics import Float64Shadow, assert_near_float64, assert_same_computation, fp32_error_bound
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,21 @@ def _batch(seed=0, b=4, t=9, spread=0.4):
     return logp, old, ref, adv, mask
 
 
+def _both_ways(compare, *tensors):
+    """``compare(*tensors)`` on the fp32 inputs and on float64 copies under Float64Shadow (the rule of
+    tests/numerics.py): returns both results, for :func:`_assert_same`."""
+    fp32 = compare(*tensors)
+    with Float64Shadow():
+        fp64 = compare(*(t.double() if t.is_floating_point() else t for t in tensors))
+    return fp32, fp64
+
+
+def _assert_same(fp32: dict, fp64: dict) -> None:
+    """Each ``name: (ours, theirs)`` of the fp32 run computes what it computes in the float64 run."""
+    for name, (ours, theirs) in fp32.items():
+        assert_same_computation(name, ours, theirs, *fp64[name], "ours", "openrlhf")
+
+
 def _token_mean(x, mask):
     return (x * mask).sum() / mask.sum()
 
@@ -56,34 +72,39 @@ def _token_mean(x, mask):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_alpha_zero_equals_openrlhf_policy_loss(upstream, eps_low, eps_high, dual_clip, seed):
     logp, old, _, adv, mask = _batch(seed)
-    ours_logp = logp.clone().requires_grad_(True)
-    theirs_logp = logp.clone().requires_grad_(True)
 
-    out = policy_loss_from_logp(ours_logp, old, adv, mask, alpha=0.0, eps_low=eps_low, eps_high=eps_high,
-                                dual_clip=dual_clip)  # fmt: skip
-    ours = _token_mean(out.loss, mask)
-    loss_fn = upstream["PolicyLoss"](clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip=dual_clip)
-    theirs, clip_ratio, *_ = loss_fn(theirs_logp, old, adv, action_mask=mask)
+    def compare(logp, old, adv):
+        ours_logp = logp.clone().requires_grad_(True)
+        theirs_logp = logp.clone().requires_grad_(True)
+        out = policy_loss_from_logp(ours_logp, old, adv, mask, alpha=0.0, eps_low=eps_low, eps_high=eps_high,
+                                    dual_clip=dual_clip)  # fmt: skip
+        ours = _token_mean(out.loss, mask)
+        loss_fn = upstream["PolicyLoss"](clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip=dual_clip)
+        theirs, clip_ratio, *_ = loss_fn(theirs_logp, old, adv, action_mask=mask)
+        ours.backward()
+        theirs.backward()
+        clip = (_token_mean(out.clipped.double(), mask), torch.as_tensor(clip_ratio, dtype=torch.float64))
+        return {"loss": (ours.detach(), theirs.detach()), "grad": (ours_logp.grad, theirs_logp.grad), "clip": clip}
 
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(_token_mean(out.clipped.float(), mask), clip_ratio)
-    ours.backward()
-    theirs.backward()
-    torch.testing.assert_close(ours_logp.grad, theirs_logp.grad, rtol=1e-6, atol=1e-8)
-    assert clip_ratio > 0, "the batch must exercise the clip"
+    fp32, fp64 = _both_ways(compare, logp, old, adv)
+    _assert_same(fp32, fp64)
+    assert fp32["clip"][1] > 0, "the batch must exercise the clip"
 
 
 @pytest.mark.parametrize("alpha", [0.1, 0.3, 1.0])
 def test_ar_equals_openrlhf_loss_on_reweighted_advantages(upstream, alpha):
     logp, old, _, adv, mask = _batch(3)
-    ours_logp = logp.clone().requires_grad_(True)
-    theirs_logp = logp.clone().requires_grad_(True)
-    ours = _token_mean(policy_loss_from_logp(ours_logp, old, adv, mask, alpha=alpha).loss, mask)
-    theirs = upstream["PolicyLoss"]()(theirs_logp, old, reweight_advantages(adv, old, alpha), action_mask=mask)[0]
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
-    ours.backward()
-    theirs.backward()
-    torch.testing.assert_close(ours_logp.grad, theirs_logp.grad, rtol=1e-6, atol=1e-8)
+
+    def compare(logp, old, adv):
+        ours_logp = logp.clone().requires_grad_(True)
+        theirs_logp = logp.clone().requires_grad_(True)
+        ours = _token_mean(policy_loss_from_logp(ours_logp, old, adv, mask, alpha=alpha).loss, mask)
+        theirs = upstream["PolicyLoss"]()(theirs_logp, old, reweight_advantages(adv, old, alpha), action_mask=mask)[0]
+        ours.backward()
+        theirs.backward()
+        return {"loss": (ours.detach(), theirs.detach()), "grad": (ours_logp.grad, theirs_logp.grad)}
+
+    _assert_same(*_both_ways(compare, logp, old, adv))
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -106,18 +127,21 @@ def test_kl_term_in_loss_matches_openrlhf_actor_sum(upstream):
     # OpenRLHF's actor: loss = PolicyLoss + kl_coef * aggregate_loss(kl, mask)
     logp, old, ref, adv, mask = _batch(5)
     kl_coef = 0.01
-    ours_logp = logp.clone().requires_grad_(True)
-    theirs_logp = logp.clone().requires_grad_(True)
-    out = policy_loss_from_logp(ours_logp, old, adv, mask, ref_log_probs=ref, kl_coef=kl_coef, kl_estimator="k3")
-    ours = _token_mean(out.loss, mask)
-    pg = upstream["PolicyLoss"]()(theirs_logp, old, adv, action_mask=mask)[0]
-    kl = upstream["compute_approx_kl"](theirs_logp, ref, kl_estimator="k3")
-    theirs = pg + kl_coef * upstream["aggregate_loss"](kl, mask)
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(_token_mean(out.kl, mask), upstream["aggregate_loss"](kl, mask).detach())
-    ours.backward()
-    theirs.backward()
-    torch.testing.assert_close(ours_logp.grad, theirs_logp.grad, rtol=1e-6, atol=1e-8)
+
+    def compare(logp, old, ref, adv):
+        ours_logp = logp.clone().requires_grad_(True)
+        theirs_logp = logp.clone().requires_grad_(True)
+        out = policy_loss_from_logp(ours_logp, old, adv, mask, ref_log_probs=ref, kl_coef=kl_coef, kl_estimator="k3")
+        ours = _token_mean(out.loss, mask)
+        pg = upstream["PolicyLoss"]()(theirs_logp, old, adv, action_mask=mask)[0]
+        kl = upstream["compute_approx_kl"](theirs_logp, ref, kl_estimator="k3")
+        theirs = pg + kl_coef * upstream["aggregate_loss"](kl, mask)
+        kl_mean = (_token_mean(out.kl, mask), upstream["aggregate_loss"](kl, mask).detach())
+        ours.backward()
+        theirs.backward()
+        return {"loss": (ours.detach(), theirs.detach()), "kl": kl_mean, "grad": (ours_logp.grad, theirs_logp.grad)}
+
+    _assert_same(*_both_ways(compare, logp, old, ref, adv))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -128,9 +152,15 @@ def test_token_logprobs_equals_openrlhf_log_probs_from_logits(upstream, dtype, t
     labels = torch.randint(0, 50, (3, 5), generator=g)
     ours, _ = token_logprobs(logits.reshape(-1, 50), labels.reshape(-1), temperature)
     theirs = upstream["log_probs_from_logits"](logits.clone(), labels, temperature=temperature)
-    # openrlhf computes bf16 log-softmax in bf16; we compute in fp32 from the same bf16 values.
-    tol = dict(rtol=1e-6, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-    torch.testing.assert_close(ours.reshape(3, 5), theirs.float(), **tol)
+    with Float64Shadow():  # the truth: log-softmax of the same (bf16 or fp32) values in float64
+        want = torch.log_softmax(logits.double() / temperature, -1).gather(-1, labels[..., None]).squeeze(-1)
+    # Both against it, bounds derived from the computation (tests/numerics.py): ours computes in fp32 from the
+    # same values; openrlhf computes a bf16 log-softmax in bf16, so it is held to bf16's unit roundoff.
+    magnitude = logits.double().abs().max().item() / temperature
+    scale = max(1.0, want.abs().max().item())
+    assert_near_float64("logp", ours.reshape(3, 5), want, fp32_error_bound(magnitude, 50, scale), "ours")
+    unit = torch.finfo(dtype).eps / 2
+    assert_near_float64("logp", theirs, want, fp32_error_bound(magnitude, 50, scale, unit=unit), "openrlhf")
 
 
 def test_entropy_matches_definition():
