@@ -8,6 +8,7 @@ still moves the weights, and a skipped one would show.
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer
 from openrlhf_lopti.local.rollout import generate_rollouts, response_logits, response_logprobs
 from openrlhf_lopti.local.task import compact_prompt, puzzles
 from openrlhf_lopti.local.update import update_policy
+
+from .kernel_cases import allow_float64_logits
+from .numerics import Float64Shadow, assert_all_same_computation
 
 N_LOW = 3  # tokens below eta: Lopti's low phase holds only these, so most of its micro-batches hold none
 
@@ -118,16 +122,28 @@ def run_both(model, exp: Experience, cfg: TrainConfig) -> tuple:
     return tuple(runs)
 
 
-def assert_same_parameters(model, ours, reference) -> None:
-    moved = 0.0
-    for (name, start), a, b in zip(model.named_parameters(), ours.parameters(), reference.parameters()):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
-        moved = max(moved, float((b - start).detach().abs().max()))
+def assert_same_parameters(model, ours, reference, experience: Experience, cfg: TrainConfig, monkeypatch) -> None:
+    """The same update, by the rule of tests/numerics.py: both rounds run again on float64 copies of the model and
+    the experience (the fused loss's torch backend widened to float64 in tests) and must agree to float64
+    rounding; each fp32 round's error against its float64 run is judged against the other's (SGD with
+    momentum: no AdamW step in between)."""
+    allow_float64_logits(monkeypatch)
+    doubled = {k: getattr(experience, k).double() for k in ("old_log_probs", "ref_log_probs", "advantages", "rewards")}
+    with Float64Shadow():
+        experience64 = dataclasses.replace(experience, **doubled)
+        (ours64, _, _), (reference64, _, _) = run_both(copy.deepcopy(model).double(), experience64, cfg)
+    names = [name for name, _ in model.named_parameters()]
+    assert_all_same_computation(
+        f"parameters {names}", list(ours.parameters()), list(reference.parameters()), list(ours64.parameters()),
+        list(reference64.parameters()), a_name="update_policy", b_name="written out",
+    )  # fmt: skip
+    moved = max(float((b - start).detach().abs().max()) for start, b in zip(model.parameters(), reference.parameters()))
     assert moved > 1e-3  # the update did something to compare
 
 
 @pytest.mark.parametrize("fused_lm_head", [False, True])
-def test_micro_batches_without_a_phase_token_are_skipped_and_the_update_is_unchanged(tiny, experience, fused_lm_head):
+def test_micro_batches_without_a_phase_token_are_skipped_and_the_update_is_unchanged(tiny, experience, fused_lm_head,
+                                                                                     monkeypatch):  # fmt: skip
     model, _ = tiny
     cfg = config(eta=eta_with_low_tokens(experience, N_LOW), fused_lm_head=fused_lm_head)
     (ours, our_forwards, metrics), (reference, _, micro_batches) = run_both(model, experience, cfg)
@@ -139,7 +155,7 @@ def test_micro_batches_without_a_phase_token_are_skipped_and_the_update_is_uncha
     assert [0, 0] in pairs
     assert len(our_forwards) == sum(1 for n in phase_tokens if n > 0)  # no forward (nor backward) for the others
     assert metrics["optimizer_steps"] == 2 * 2 * 4  # 2 phases x 2 epochs x 4 mini-batches: none dropped
-    assert_same_parameters(model, ours, reference)
+    assert_same_parameters(model, ours, reference, experience, cfg, monkeypatch)
 
 
 class LossHeadRows:
@@ -178,7 +194,7 @@ def test_each_forward_runs_on_the_phases_responses_up_to_its_last_token(tiny, ex
     assert sum(n for n, _ in low) <= N_LOW and min(last for _, last in low) < micro_batches[0].shape[1]
     assert head.rows == [int(tokens.sum()) for tokens in micro_batches if tokens.any()]
     assert metrics["phase1_tokens"] == N_LOW and metrics["optimizer_steps"] == 2
-    assert_same_parameters(model, ours, reference)
+    assert_same_parameters(model, ours, reference, experience, cfg, monkeypatch)
 
 
 def test_response_logits_run_the_lm_head_on_the_response_positions_only(tiny, experience):
