@@ -23,7 +23,7 @@ from openrlhf_lopti.local.task import compact_prompt, puzzles
 from openrlhf_lopti.local.update import update_policy
 
 from .kernel_cases import allow_float64_logits
-from .numerics import Float64Shadow, assert_all_same_computation
+from .numerics import Float64Shadow, assert_all_same_computation, assert_same_computation
 
 N_LOW = 3  # tokens below eta: Lopti's low phase holds only these, so most of its micro-batches hold none
 
@@ -211,5 +211,14 @@ def test_response_logits_run_the_lm_head_on_the_response_positions_only(tiny, ex
     batch, width = rollout.action_mask.shape
     assert inputs == [(batch, width, model.config.hidden_size)]
     mask = rollout.attention_mask
-    full = model(input_ids=rollout.sequences, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
-    torch.testing.assert_close(logits, full[:, rollout.prompt_len - 1 : -1], atol=1e-6, rtol=1e-5)
+
+    def full(model):
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        return model(input_ids=rollout.sequences, attention_mask=mask, position_ids=position_ids).logits
+
+    # the same values by the rule of tests/numerics.py: both again on a float64 copy of the model
+    model64 = copy.deepcopy(model).double()
+    with Float64Shadow():
+        logits64, full64 = response_logits(model64, rollout), full(model64)
+    cut = slice(rollout.prompt_len - 1, -1)
+    assert_same_computation("logits", logits, full(model)[:, cut], logits64, full64[:, cut], "response_logits", "full")
