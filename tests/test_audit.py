@@ -1,6 +1,7 @@
 """The audit: binning, gradient norms checked against the closed form, update directions, the command."""
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -24,6 +25,15 @@ from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer, s
 from openrlhf_lopti.local.rollout import generate_rollouts, response_logits, response_logprobs
 from openrlhf_lopti.local.trainer import LocalTrainer
 from openrlhf_lopti.local.task import compact_prompt, puzzles
+
+from .kernel_cases import allow_float64_logits
+from .numerics import Float64Shadow, assert_same_computation
+
+
+def float64_copy(model, exp):
+    """The same model and experience as float64 (exact copies), for the float64 run of a comparison."""
+    doubled = {k: getattr(exp, k).double() for k in ("old_log_probs", "advantages", "rewards")}
+    return copy.deepcopy(model).double(), dataclasses.replace(exp, **doubled)
 
 
 @pytest.fixture(scope="module")
@@ -57,23 +67,34 @@ def test_bins():
         bin_edges(p, "deciles")
 
 
-def test_logit_grad_norm_is_autograd_and_matches_the_closed_form(setup):
+def test_logit_grad_norm_is_autograd_and_matches_the_closed_form(setup, monkeypatch):
     """At the sampling weights (ratio 1, nothing clipped): |A| / T * ||onehot - softmax(z / T)||."""
     model, _, exp, cfg = setup
-    got = logit_grad_norms(model, exp, cfg)
     rows = exp.rollout.action_mask
-    with torch.no_grad():
-        z = response_logits(model, exp.rollout)[rows]
     labels = exp.rollout.sequences[:, exp.rollout.prompt_len :][rows]
-    p = torch.softmax(z / cfg.temperature, -1)
-    onehot = torch.nn.functional.one_hot(labels, p.shape[-1]).float()
-    expected = exp.advantages[rows].abs() / cfg.temperature * (onehot - p).norm(dim=-1)
-    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-6)
+
+    def both(model, exp):
+        got = logit_grad_norms(model, exp, cfg)
+        with torch.no_grad():
+            z = response_logits(model, exp.rollout)[rows]
+        p = torch.softmax(z / cfg.temperature, -1)
+        onehot = torch.nn.functional.one_hot(labels, p.shape[-1]).float()
+        return got, exp.advantages[rows].abs() / cfg.temperature * (onehot - p).norm(dim=-1)
+
+    # the same values by the rule of tests/numerics.py: both again on float64 copies of the model and experience
+    got, expected = both(model, exp)
+    allow_float64_logits(monkeypatch)
+    model64, exp64 = float64_copy(model, exp)
+    with Float64Shadow():
+        # the closed form holds at ratio 1: the float64 run's old log-probs are its own model's
+        exp64 = dataclasses.replace(exp64, old_log_probs=response_logprobs(model64, exp.rollout, cfg.temperature))
+        got64, expected64 = both(model64, exp64)
+    assert_same_computation("logit grad norms", got, expected, got64, expected64, "logit_grad_norms", "closed form")
     probs = exp.old_log_probs[rows].exp()
     assert probs.min() < 0.5 < probs.max()  # the check covered low and high tokens
 
 
-def test_param_grad_norm_matches_a_single_token_backward(setup):
+def test_param_grad_norm_matches_a_single_token_backward(setup, monkeypatch):
     """Per-response forwards give the same per-token parameter gradients as a backward through the batch."""
     model, _, exp, cfg = setup
     model = copy.deepcopy(model)
@@ -81,14 +102,25 @@ def test_param_grad_norm_matches_a_single_token_backward(setup):
     last = int(rows.sum()) - 1
     norms = param_grad_norms(model, exp, cfg, torch.tensor([last, 0, 3]))
     labels = exp.rollout.sequences[:, exp.rollout.prompt_len :][rows]
-    for got, t in zip(norms.tolist(), (last, 0, 3)):
-        logits = response_logits(model, exp.rollout)[rows]
-        logp = torch.log_softmax(logits / cfg.temperature, -1)[t, labels[t]]
-        loss = -torch.exp(logp - exp.old_log_probs[rows][t]) * exp.advantages[rows][t]
-        model.zero_grad()
-        loss.backward()
-        manual = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
-        assert got == pytest.approx(manual, rel=1e-4)
+    def manual(model, exp):
+        norms = []
+        for t in (last, 0, 3):
+            logits = response_logits(model, exp.rollout)[rows]
+            logp = torch.log_softmax(logits / cfg.temperature, -1)[t, labels[t]]
+            loss = -torch.exp(logp - exp.old_log_probs[rows][t]) * exp.advantages[rows][t]
+            model.zero_grad()
+            loss.backward()
+            norms.append(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None)))
+        return torch.tensor(norms, dtype=torch.float64)
+
+    # the same norms by the rule of tests/numerics.py: both again on float64 copies of the model and experience
+    want = manual(model, exp)
+    model64, exp64 = float64_copy(model, exp)
+    allow_float64_logits(monkeypatch)
+    with Float64Shadow():
+        norms64 = param_grad_norms(model64, exp64, cfg, torch.tensor([last, 0, 3]))
+        want64 = manual(model64, exp64)
+    assert_same_computation("param grad norms", norms, want, norms64.double(), want64, "param_grad_norms", "by hand")
 
 
 def test_correct_direction_leaves_the_model_alone(setup):
