@@ -20,6 +20,7 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -959,6 +960,45 @@ def test_ema_updates_exactly_when_deepspeed_steps(gas, samples, env):
     for want, got in zip(expected, trainer.ema_model.parameters()):
         assert got.device.type == "cpu"
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)  # the same elementwise ops, in the same order
+
+
+class CorrectlyRoundedExp(TorchFunctionMode):
+    """``exp`` of fp32 tensors rounded from float64, as another device's ``exp`` may round (a GPU's differs from
+    the CPU's in the last bit for some inputs)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.exp, torch.Tensor.exp) and args[0].dtype == torch.float32:
+            return torch.exp(args[0].double()).float()
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_token_trains_in_the_phase_it_was_counted_in_wherever_the_split_runs(env, spy_upstream_step):
+    """The round counts the phases on the CPU; each micro-batch's step splits its tokens after moving them to the
+    device. Here the step's split runs under another rounding of ``exp`` (a GPU's), and the rollout log-prob of six
+    responses is one where the two roundings fall on either side of the threshold: the tokens must still train in
+    the phase they were counted in, once (not in both, and not in neither when a phase counted empty is skipped)."""
+    xs = -2 * torch.rand(100_000, generator=torch.Generator().manual_seed(0))
+    ours, other = xs.exp(), torch.exp(xs.double()).float()
+    i = int((ours != other).nonzero()[0])
+    x, eta = xs[i].item(), max(ours[i].item(), other[i].item())  # one rounding says p < eta, the other p == eta
+    mask_phase = Lopti._phase_mask
+
+    def split_on_the_device(self, *args):
+        with CorrectlyRoundedExp():
+            return mask_phase(self, *args)
+
+    env.monkeypatch.setattr(Lopti, "_phase_mask", split_on_the_device)
+
+    def at_the_threshold(experience):
+        disputed = torch.arange(len(experience.sequences))[:, None] < 6
+        values = torch.where(disputed, torch.tensor(x), torch.tensor(math.log(0.99)))
+        experience.action_log_probs = values * experience.action_mask
+
+    run = train_round(env, Lopti, make_args("--algo.lopti_eta", str(eta)), edit=at_the_threshold)
+    response = run.experience.action_mask
+    counted_low = round(run.status.get("lopti/low_token_frac", 0.0) * response.sum().item())
+    trained = {phase: sum(c["mask"].sum().item() for c in spy_upstream_step if c["phase"] == phase) for phase in ("low", "high")}
+    assert trained == {"low": counted_low, "high": response.sum().item() - counted_low}
 
 
 def test_tokens_at_the_threshold_train_in_the_high_phase(env, spy_upstream_step):

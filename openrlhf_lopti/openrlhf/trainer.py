@@ -39,6 +39,7 @@ from openrlhf.models.utils import masked_mean
 from openrlhf.trainer.ppo_utils.experience import Experience, make_experience_batch
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 from openrlhf.utils.loss_utils import get_loss_batch_info
+from openrlhf.utils.utils import zero_pad_sequences
 from openrlhf_lopti.algo import (
     PolicyLossOutput,
     ar_weight,
@@ -140,6 +141,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         self._explicit_boundaries = False  # set by _passes_end_on_optimizer_steps, read by training_step
         self.lopti_phase: Optional[str] = None  # the Lopti phase running now: set by ppo_train, read by training_step
         self.lopti_threshold: float = self.lopti.lopti_eta  # this round's probability threshold (eta or quantile)
+        self._low_tokens: Dict[int, torch.Tensor] = {}  # replay item id -> bool mask of its low tokens, this round
         self.rl_step = 0  # RL steps trained (ppo_train calls); LoptiPolicyModelActor sets it on resume
         self._micro_batch = ""  # where training_step is, for error messages
 
@@ -171,7 +173,15 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             sums["ar_weight"] = ar_weight(old_log_probs, self.lopti.ar_alpha)[response].sum().item()
         if self.lopti.lopti_enabled:
             self.lopti_threshold = self._round_threshold(old_log_probs, response)
-            sums["low"] = (response & (old_log_probs.exp() < self.lopti_threshold)).sum().item()
+            # Each token's phase is decided here, once, and every later use (the counts, the "phase" denominators,
+            # each micro-batch's step on the device) reads this decision: splitting again elsewhere could round
+            # exp differently (another device) and put a token at the threshold in both phases or in neither.
+            low = lopti_phases(old_log_probs, response, eta=self.lopti_threshold)[0]  # low_first: [low, high]
+            sizes = [item.action_log_probs.numel() for item in items]
+            self._low_tokens = {
+                id(item): part.reshape(item.action_log_probs.shape) for item, part in zip(items, low.split(sizes))
+            }
+            sums["low"] = low.sum().item()
         sums = self.strategy.all_reduce(sums, op="sum")  # over data-parallel ranks
 
         metrics = {}
@@ -198,7 +208,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             started = time.perf_counter()
             try:
                 with self._replay_items_in_phase() if self.lopti.lopti_denominator == "phase" else nullcontext():
-                    with self._passes_end_on_optimizer_steps():
+                    with self._passes_end_on_optimizer_steps(), self._batches_carry_phases():
                         statuses[name] = super().ppo_train(kl_ctl)
             finally:
                 self.lopti_phase = None
@@ -294,13 +304,31 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         threshold = quantile_threshold(probs, self.lopti.lopti_quantile)
         return min(max(threshold, torch.finfo(torch.float32).tiny), 1.0)  # lopti_phases wants eta in (0, 1]
 
-    def _phase_mask(self, experience: Experience) -> torch.Tensor:
-        """Bool mask (shape of ``experience.action_mask``) of the running phase's tokens."""
-        order = self.lopti.lopti_order
-        phases = lopti_phases(
-            experience.action_log_probs, experience.action_mask, eta=self.lopti_threshold, order=order
-        )
-        return phases[PHASE_NAMES[order].index(self.lopti_phase)]
+    def _phase_mask(self, action_mask: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        """Bool mask (shape of ``action_mask``) of the running phase's tokens, from ``low``: the round's decision of
+        which tokens are low (same shape, made in ``_ppo_train``)."""
+        low = low.to(action_mask.device)
+        return action_mask.bool() & (low if self.lopti_phase == "low" else ~low)
+
+    @contextmanager
+    def _batches_carry_phases(self) -> Iterator[None]:
+        """Each micro-batch upstream's ``ppo_train`` collates carries the round's decision for its tokens as
+        ``experience.lopti_low`` (padded like ``action_mask``; ``Experience.to_device`` moves it with the rest)."""
+        buffer = self.replay_buffer
+        collate = buffer.collate_fn
+
+        def collate_with_phases(batch):
+            experience = collate(batch)
+            items = batch[0] if buffer.dynamic_batch else batch  # dynamic batching hands one list of items
+            low = [self._low_tokens[id(item)] for item in items]
+            experience.lopti_low = zero_pad_sequences(low, "right", stack=True)
+            return experience
+
+        buffer.collate_fn = collate_with_phases  # upstream's DataLoader takes it when ppo_train builds one
+        try:
+            yield
+        finally:
+            del buffer.collate_fn  # the class's own again
 
     @contextmanager
     def _replay_items_in_phase(self) -> Iterator[None]:
@@ -310,7 +338,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         saved = [item.action_mask for item in items]
         try:
             for item in items:
-                item.action_mask = self._phase_mask(item).to(item.action_mask.dtype)
+                item.action_mask = self._phase_mask(item.action_mask, self._low_tokens[id(item)]).to(item.action_mask.dtype)
             yield
         finally:
             for item, mask in zip(items, saved):
@@ -338,7 +366,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         response_mask, advantages = experience.action_mask, experience.advantages
         try:
             if self.lopti_phase is not None:
-                phase = self._phase_mask(experience)
+                phase = self._phase_mask(response_mask, experience.lopti_low)
                 experience.action_mask = phase.to(response_mask.dtype)
                 experience.advantages = advantages * phase  # the other phase's tokens get no policy gradient
                 loss_batch_info = _nonzero_denominators(loss_batch_info)
