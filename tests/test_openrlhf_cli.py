@@ -73,6 +73,22 @@ def test_launch_without_the_gpu_stack_says_so():
             ["--actor.fused_loss", "torch", "--ds.ring_attn_size", "2"],
             "--actor.fused_loss torch does not support --ds.ring_attn_size > 1",
         ),
+        (
+            ["--algo.track_direction", "--ds.ring_attn_size", "2"],
+            "--algo.track_direction with --ds.ring_attn_size > 1: its forward-only pass",
+        ),
+        (
+            ["--algo.track_direction", "--data.max_images_per_prompt", "1"],
+            "--algo.track_direction with --data.max_images_per_prompt > 0",
+        ),
+        (
+            ["--train.async_enable", "--ckpt.best_metric_key", "eval_score"],
+            "--ckpt.best_metric_key eval_score with --train.async_enable",
+        ),
+        (
+            ["--train.async_enable", "--ckpt.best_metric_key", "eval_kk_score"],
+            "--ckpt.best_metric_key eval_kk_score with --train.async_enable",
+        ),
     ],
 )
 def test_bad_values_and_combinations_fail_at_parse_time(args, message, capsys):
@@ -80,6 +96,11 @@ def test_bad_values_and_combinations_fail_at_parse_time(args, message, capsys):
         cli.parse_args(BASE + args)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_async_with_an_upstream_best_metric_and_track_direction_alone_parse():
+    cli.parse_args(BASE + ["--train.async_enable", "--ckpt.best_metric_key", "eval_kk_pass1"])
+    cli.parse_args(BASE + ["--algo.track_direction"])
 
 
 def test_parse_runs_upstream_post_processing_and_keeps_our_flags():

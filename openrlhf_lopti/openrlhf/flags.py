@@ -16,6 +16,7 @@ CPU-only install.
 """
 
 import argparse
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -218,6 +219,24 @@ def check_config(args: Any) -> None:
         raise ValueError(
             "--algo.lopti_eta with --actor.policy_loss_type gspo: GSPO's ratio is one per sequence, so a "
             "token phase cannot be isolated; use --actor.policy_loss_type ppo"
+        )
+    # --algo.track_direction's forward-only pass after the update is a plain actor forward over the round's experience
+    if cfg.track_direction and (_arg(args, "ds.ring_attn_size", 1) or 1) > 1:
+        raise ValueError(
+            "--algo.track_direction with --ds.ring_attn_size > 1: its forward-only pass after the update runs "
+            "without the ring-attention group; drop --algo.track_direction or use --ds.ring_attn_size 1"
+        )
+    if cfg.track_direction and (_arg(args, "data.max_images_per_prompt", 0) or 0) > 0:
+        raise ValueError(
+            "--algo.track_direction with --data.max_images_per_prompt > 0: its forward-only pass after the update "
+            "has no image inputs; drop --algo.track_direction for multimodal runs"
+        )
+    best = _arg(args, "ckpt.best_metric_key", "") or ""
+    if _arg(args, "train.async_enable", False) and re.fullmatch(r"eval(_.+)?_score", best):
+        raise ValueError(
+            f"--ckpt.best_metric_key {best} with --train.async_enable: {best} comes from our evaluator, and the async "
+            "trainer is upstream's, which never logs it, so no best checkpoint would be saved; name an upstream "
+            "metric (e.g. eval_<datasource>_pass1) or drop --train.async_enable"
         )
     agg_mode = _arg(args, "actor.loss_agg_mode", "token-mean")
     if cfg.lopti_enabled and cfg.lopti_denominator == "all" and agg_mode != "token-mean":
