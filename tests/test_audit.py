@@ -27,7 +27,7 @@ from openrlhf_lopti.local.trainer import LocalTrainer
 from openrlhf_lopti.local.task import compact_prompt, puzzles
 
 from .kernel_cases import allow_float64_logits
-from .numerics import Float64Shadow, assert_same_computation
+from .numerics import Float64Shadow, assert_all_same_computation, assert_same_computation
 
 
 def float64_copy(model, exp):
@@ -185,24 +185,41 @@ def test_checkpoint_optimizer_continues_training_adamw_state():
         trained.step()
     saved = copy.deepcopy(trained.state_dict())
     x = torch.randn(5, 3)
-    results = {}
-    for kind in ("checkpoint", "fresh-adamw"):
-        copy_net = copy.deepcopy(net)
-        opt = make_optimizer(copy_net.parameters(), kind, lr=1e-3, weight_decay=0.1, state=saved)
-        copy_net(x).pow(2).sum().backward()
-        grads = [p.grad.clone() for p in copy_net.parameters()]
-        opt.step()
-        results[kind] = [new.detach() - old.detach() for new, old in zip(copy_net.parameters(), net.parameters())]
-    beta1, beta2, eps, lr, wd = 0.9, 0.999, 1e-8, 1e-3, 0.1
-    for i, (param, g) in enumerate(zip(net.parameters(), grads)):
-        state = saved["state"][i]
-        t = float(state["step"]) + 1
-        m = beta1 * state["exp_avg"] + (1 - beta1) * g
-        v = beta2 * state["exp_avg_sq"] + (1 - beta2) * g * g
-        expected = -lr * wd * param.detach() - lr * (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps)
-        torch.testing.assert_close(results["checkpoint"][i], expected, rtol=1e-4, atol=1e-8)
-        fresh = -lr * wd * param.detach() - lr * g / (g.abs() + eps)  # first step: m/sqrt(v) = sign(g)
-        torch.testing.assert_close(results["fresh-adamw"][i], fresh, rtol=1e-4, atol=1e-8)
+
+    def steps(net, saved, x):
+        """The step of each optimizer kind, and Adam's formula written out on the saved moments."""
+        results = {}
+        for kind in ("checkpoint", "fresh-adamw"):
+            copy_net = copy.deepcopy(net)
+            opt = make_optimizer(copy_net.parameters(), kind, lr=1e-3, weight_decay=0.1, state=saved)
+            copy_net(x).pow(2).sum().backward()
+            grads = [p.grad.clone() for p in copy_net.parameters()]
+            opt.step()
+            results[kind] = [new.detach() - old.detach() for new, old in zip(copy_net.parameters(), net.parameters())]
+        beta1, beta2, eps, lr, wd = 0.9, 0.999, 1e-8, 1e-3, 0.1
+        written = {"checkpoint": [], "fresh-adamw": []}
+        for i, (param, g) in enumerate(zip(net.parameters(), grads)):
+            state = saved["state"][i]
+            t = float(state["step"]) + 1
+            m = beta1 * state["exp_avg"] + (1 - beta1) * g
+            v = beta2 * state["exp_avg_sq"] + (1 - beta2) * g * g
+            expected = -lr * wd * param.detach() - lr * (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps)
+            written["checkpoint"].append(expected)
+            # first step: m/sqrt(v) = sign(g)
+            written["fresh-adamw"].append(-lr * wd * param.detach() - lr * g / (g.abs() + eps))
+        return results, written
+
+    # The same steps by the logic half of the rule of tests/numerics.py (these are AdamW steps: no precision
+    # half): on float64 copies of the net, the saved moments and the input, the optimizer's step and the formula
+    # agree to float64 rounding.
+    results, written = steps(net, saved, x)
+    saved64 = copy.deepcopy(saved)
+    for state in saved64["state"].values():
+        state.update({k: v.double() for k, v in state.items() if k != "step"})
+    results64, written64 = steps(copy.deepcopy(net).double(), saved64, x.double())
+    for kind in results:
+        assert_all_same_computation(f"{kind} step", results[kind], written[kind], results64[kind], written64[kind],
+                                    a_name="make_optimizer", b_name="written out", precision=False)  # fmt: skip
     assert all(torch.equal(saved["state"][i]["exp_avg"], trained.state_dict()["state"][i]["exp_avg"]) for i in (0, 1))
     with pytest.raises(ValueError, match="checkpoint"):
         make_optimizer(net.parameters(), "checkpoint", lr=1e-3)
