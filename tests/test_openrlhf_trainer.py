@@ -848,6 +848,54 @@ def test_fused_lm_head_needs_the_fused_loss(capsys):
     assert "--actor.fused_lm_head needs the fused loss" in capsys.readouterr().err
 
 
+def test_moe_aux_loss_counts_once_per_rl_step(env, float64):
+    """``--actor.aux_loss_coef`` on a tiny Mixtral: upstream adds the router-balancing loss to every micro-batch of
+    its one pass; with Lopti each phase adds it at the phase's share of the tokens, so over the round it counts once.
+    Seen in the first optimizer step's gradients (taken at the initial weights, where the policy-loss part of a run
+    with the aux loss equals that of a run without it): Lopti's aux-loss gradient is the low share of upstream's.
+    All in float64, so the comparison is of the aux loss's weight, not of rounding."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, attn_implementation="sdpa", experts_implementation="eager",  # float64 experts
+    )  # fmt: skip
+    torch.manual_seed(0)
+    state = MixtralForCausalLM(config).state_dict()
+
+    def first_step_grads(cls, flags, coef):
+        args = make_args(*flags, "--actor.aux_loss_coef", str(coef))
+        model = MixtralForCausalLM(config)
+        model.load_state_dict(state)
+        actor = Actor(model, temperature=1.0)
+        actor.packing_samples = False
+        experience = make_experience(env.rollout, actor)
+        rollout_probs(3, low_p=0.1, high_p=0.9)(experience)  # both phases have tokens
+        trainer, strategy = make_trainer(env, cls, args, actor, record_grads=True)
+        trainer.replay_buffer.append(experience)
+        torch.manual_seed(3)
+        status = trainer.ppo_train(KL_CTL)
+        return strategy.steps[0]["grads"], status
+
+    lopti = ["--algo.lopti_eta", "0.5"]
+    with float64():
+        ours_with, status = first_step_grads(Lopti, lopti, 0.5)
+        ours_without, _ = first_step_grads(Lopti, lopti, 0.0)
+        upstream_with, _ = first_step_grads(Upstream, [], 0.5)
+        upstream_without, _ = first_step_grads(Upstream, [], 0.0)
+    low_share = status["lopti/low_token_frac"]
+    assert 0.05 < low_share < 0.95
+    routers = 0
+    for ow, oo, uw, uo in zip(ours_with, ours_without, upstream_with, upstream_without):
+        assert ow.dtype == torch.float64
+        upstream_aux = uw - uo
+        if upstream_aux.abs().max() > 1e-6:  # the parameters the aux loss reaches (the routers and below)
+            routers += 1
+        torch.testing.assert_close(ow - oo, low_share * upstream_aux, rtol=1e-9, atol=1e-12)
+    assert routers > 0
+
+
 def test_ar_changes_the_update_and_logs_the_mean_weight(env):
     plain = train_round(env, Lopti, make_args())
     ar = train_round(env, Lopti, make_args("--algo.ar_alpha", "0.3"))

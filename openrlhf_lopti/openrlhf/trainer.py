@@ -196,6 +196,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         metrics["lopti/low_token_frac"] = counts["low"] / tokens
         metrics["lopti/threshold"] = self.lopti_threshold
         statuses = {}
+        share = {name: counts[name] / tokens for name in counts}
         schedule = self._lr_schedule_state()
         for name in PHASE_NAMES[self.lopti.lopti_order]:
             if counts[name] == 0:  # same decision on every rank: the counts are global
@@ -209,11 +210,11 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             try:
                 with self._replay_items_in_phase() if self.lopti.lopti_denominator == "phase" else nullcontext():
                     with self._passes_end_on_optimizer_steps(), self._batches_carry_phases():
-                        statuses[name] = super().ppo_train(kl_ctl)
+                        with self._aux_loss_scaled(share[name]):
+                            statuses[name] = super().ppo_train(kl_ctl)
             finally:
                 self.lopti_phase = None
             metrics[f"lopti/{name}/train_s"] = time.perf_counter() - started  # wall seconds of the phase's pass
-        share = {name: counts[name] / tokens for name in counts}
         merged = merge_phase_status(statuses, share, self.lopti.lopti_denominator, self.args.algo.kl.use_loss)
         return {**merged, **metrics}
 
@@ -241,6 +242,22 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             self.actor.train()
         counts = sum_direction_counts(batches, device=device)
         return direction_metrics(self.strategy.all_reduce(counts, op="sum"))
+
+    @contextmanager
+    def _aux_loss_scaled(self, share: float) -> Iterator[None]:
+        """A MoE model's router-balancing loss (``--actor.aux_loss_coef``) at ``share`` of its coefficient for one phase.
+
+        Upstream's ``training_step`` adds ``aux_loss * aux_loss_coef`` in every micro-batch of every pass, and the
+        aux loss is over all the micro-batch's tokens whatever the phase; each phase then weighs it by its share
+        of the round's tokens, so that over the round it counts once, as in upstream's single pass.
+        """
+        actor_args = self.args.actor
+        coef = actor_args.aux_loss_coef
+        actor_args.aux_loss_coef = coef * share
+        try:
+            yield
+        finally:
+            actor_args.aux_loss_coef = coef
 
     def _lr_schedule_state(self) -> dict:
         """The LR scheduler's state and the optimizer's current learning rates (what the next step uses)."""
