@@ -18,7 +18,7 @@ from openrlhf_lopti.local.task import compact_prompt, puzzles
 from openrlhf_lopti.local.update import phase_part, update_policy
 
 from .kernel_cases import allow_float64_logits, textbook_policy_loss
-from .numerics import Float64Shadow, assert_all_same_computation, scalars_same_computation
+from .numerics import Float64Shadow, assert_all_same_computation, assert_same_computation, scalars_same_computation
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +148,7 @@ def test_lopti_runs_two_phases_in_order_on_updated_weights(peaked, monkeypatch, 
     monkeypatch.setattr(update_module, "fused_policy_loss", spy)
     cfg = cfg_for(lopti=True, lopti_order=order, eta=0.5, alpha=0.3, temperature=1.0, lr=1e-2)
     start = response_logits(model, exp.rollout)[exp.rollout.action_mask].detach()
+    model64, exp64 = float64_copy(model, exp)  # for the float64 run of the phase-1 comparison below
     metrics = update_policy(model, torch.optim.SGD(model.parameters(), lr=cfg.lr), exp, cfg)
 
     probs = exp.old_log_probs[exp.rollout.action_mask].exp()
@@ -172,7 +173,17 @@ def test_lopti_runs_two_phases_in_order_on_updated_weights(peaked, monkeypatch, 
     # phase 2 recomputed its forward with the weights phase 1 changed (rows are permuted: compare sorted values;
     # each call holds its phase's tokens only)
     assert not torch.allclose(second["logits"].sort(0).values, start[expected[1]].sort(0).values)
-    assert torch.allclose(first["logits"].sort(0).values, start[expected[0]].sort(0).values, atol=1e-6)
+    # phase 1 ran on the starting weights: its logits are the starting ones, by the rule of tests/numerics.py (the
+    # update and the forward again on float64 copies; sorted per column, as the rows come shuffled)
+    spy64 = Spy(update_module.fused_policy_loss.real)
+    monkeypatch.setattr(update_module, "fused_policy_loss", spy64)
+    allow_float64_logits(monkeypatch)
+    with Float64Shadow():
+        start64 = response_logits(model64, exp64.rollout)[exp64.rollout.action_mask].detach()
+        update_policy(model64, torch.optim.SGD(model64.parameters(), lr=cfg.lr), exp64, cfg)
+    first64 = spy64.calls[0]["logits"]
+    sorted_logits = [x.sort(0).values for x in (first["logits"], start[expected[0]], first64, start64[expected[0]])]
+    assert_same_computation("phase-1 logits", *sorted_logits, "phase 1", "start")
 
 
 def test_lopti_token_mean_uses_all_response_tokens(peaked, float64):
