@@ -263,24 +263,40 @@ def test_minus_inf_columns_are_exactly_removed_columns(estimator, temperature):
     mask = rest.pop("mask")
     opts = dict(kl_coef=0.1, kl_estimator=estimator, alpha=0.3, temperature=temperature, return_entropy=True)
     up = torch.randn(3, len(labels), generator=torch.Generator().manual_seed(9))
-    full = logits.clone().requires_grad_(True)
-    out = policy_loss_from_logits(full, labels, mask=mask, **rest, **opts)
-    (out.loss * up[0] + out.logp * up[1] + out.entropy * up[2]).sum().backward()
-    for i in range(len(labels)):  # row by row: each row has its own set of live columns
-        live = ~dead[i]
-        row = logits[i : i + 1, live].clone().requires_grad_(True)
-        label = live[: labels[i]].sum().view(1)  # the label's index among the live columns
-        one = {k: v[i : i + 1] for k, v in rest.items()}
-        want = policy_loss_from_logits(row, label, mask=mask[i : i + 1], **one, **opts)
-        (want.loss * up[0, i] + want.logp * up[1, i] + want.entropy * up[2, i]).sum().backward()
-        for name in ("loss", "logp", "kl", "entropy"):
-            torch.testing.assert_close(getattr(out, name)[i : i + 1], getattr(want, name).detach(), msg=name)
-        torch.testing.assert_close(full.grad[i, live], row.grad[0])
-        assert torch.all(full.grad[i, ~live] == 0), "a -inf column must get exactly zero gradient"
-    # and the entropy is the textbook one over the live columns
-    for i in range(len(labels)):
-        p = torch.softmax(logits[i, ~dead[i]] / temperature, -1)
-        torch.testing.assert_close(out.entropy[i], -(p * p.log()).sum())
+
+    def both(logits, rest, up):
+        """Each row's outputs and live-column gradient with the -inf columns in, and with them removed."""
+        full = logits.clone().requires_grad_(True)
+        out = policy_loss_from_logits(full, labels, mask=mask, **rest, **opts)
+        (out.loss * up[0] + out.logp * up[1] + out.entropy * up[2]).sum().backward()
+        assert torch.all(full.grad[dead] == 0), "a -inf column must get exactly zero gradient"
+        pairs = {name: ([], []) for name in ("loss", "logp", "kl", "entropy", "grad", "entropy (textbook)")}
+
+        def add(name, a, b):
+            pairs[name][0].append(a.reshape(-1))
+            pairs[name][1].append(b.reshape(-1))
+
+        for i in range(len(labels)):  # row by row: each row has its own set of live columns
+            live = ~dead[i]
+            row = logits[i : i + 1, live].clone().requires_grad_(True)
+            label = live[: labels[i]].sum().view(1)  # the label's index among the live columns
+            one = {k: v[i : i + 1] for k, v in rest.items()}
+            want = policy_loss_from_logits(row, label, mask=mask[i : i + 1], **one, **opts)
+            (want.loss * up[0, i] + want.logp * up[1, i] + want.entropy * up[2, i]).sum().backward()
+            for name in ("loss", "logp", "kl", "entropy"):
+                add(name, getattr(out, name)[i : i + 1].detach(), getattr(want, name).detach())
+            add("grad", full.grad[i, live], row.grad[0])
+            # and the entropy is the textbook one over the live columns
+            p = torch.softmax(logits[i, live] / temperature, -1)
+            add("entropy (textbook)", out.entropy[i : i + 1].detach(), -(p * p.log()).sum())
+        return {name: (torch.cat(a), torch.cat(b)) for name, (a, b) in pairs.items()}  # every row, live columns
+
+    # the same values by the rule of tests/numerics.py: both again on float64 copies of the inputs
+    fp32 = both(logits, rest, up)
+    with Float64Shadow():
+        fp64 = both(logits.double(), {k: v.double() for k, v in rest.items()}, up.double())
+    for name, (a, b) in fp32.items():
+        assert_same_computation(name, a, b, *fp64[name], "-inf columns", "columns removed")
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
