@@ -24,6 +24,7 @@ COMMANDS = {
     "tiny-model": ("openrlhf_lopti.local.tiny_model", "a random tiny Llama + K&K tokenizer (HF format) for dry runs"),
     "bench": ("benchmarks.bench_policy_loss", "benchmark the fused policy loss against OpenRLHF's path"),
     "bench-step": ("benchmarks.bench_train_step", "whole RL steps: GRPO / AR / Lopti, both trainers, every loss path"),
+    "check-gpu": ("openrlhf_lopti.cli.check_gpu", "self-check the Triton kernel on this GPU + loss-head benchmark: a report"),
 }
 
 

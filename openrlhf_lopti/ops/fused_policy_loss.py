@@ -133,14 +133,16 @@ def _check_row_inputs(
 
 
 def resolve_backend(backend: str, logits: torch.Tensor) -> str:
-    """The backend ``backend`` runs on for ``logits``' device: ``"auto"`` is triton on CUDA (torch without
-    triton), cpp on CPU (torch without the built extension); any other name is itself."""
+    """The backend ``backend`` runs on for ``logits``' device: ``"auto"`` is triton on CUDA once its self-check has
+    passed on that device (``triton.self_check.triton_verified``; torch without triton or after a failed check),
+    cpp on CPU (torch without the built extension); any other name is itself."""
     if backend != "auto":
         return backend
     if logits.is_cuda:
         from .triton import triton_available
+        from .triton.self_check import triton_verified
 
-        return "triton" if triton_available() else "torch"
+        return "triton" if triton_available() and triton_verified(logits.device) else "torch"
     from .cpp_policy_loss import cpp_available
 
     return "cpp" if cpp_available() else "torch"

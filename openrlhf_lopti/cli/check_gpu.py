@@ -1,0 +1,102 @@
+"""``openrlhf-lopti check-gpu``: the Triton kernel's self-check on this GPU at a wide grid, plus the loss-head
+benchmark, as one report to paste into an issue.
+
+The self-check is ``ops.triton.self_check`` (what ``--actor.fused_loss auto`` runs on a small grid before it uses
+Triton on a device); the benchmark is ``benchmarks/bench_policy_loss.py`` (a source checkout only), OpenRLHF's
+eager loss head against our torch reference and Triton kernel on the same inputs.
+"""
+
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from openrlhf_lopti.errors import ArgumentParser
+
+
+def _driver_version() -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # no NVML, or a driver it cannot read: the report says so
+        return "unknown"
+
+
+def _benchmark(n: int, v: int) -> List[str]:
+    """Report lines of the loss-head benchmark (ms and GB per backend, and the ratios against OpenRLHF's)."""
+    repo = Path(__file__).resolve().parents[2]
+    if not (repo / "benchmarks" / "bench_policy_loss.py").is_file():
+        return ["benchmark: skipped (it needs a source checkout: benchmarks/ beside the package)"]
+    sys.path.insert(0, str(repo))
+    from benchmarks.bench_policy_loss import main as bench
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "bench.json"
+        flags = ["--device", "cuda", "--n", str(n), "--v", str(v), "--dtype", "bf16", "--ar-alpha", "0"]
+        bench([*flags, "--backends", "openrlhf,torch,triton", "--json", str(path)])
+        rows = json.loads(path.read_text())["rows"]
+    lines = [f"benchmark: N={n} V={v} bf16, one forward + backward of the loss head"]
+    base = next((r for r in rows if r["backend"] == "openrlhf" and r["status"] == "ok"), None)
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"  {row['backend']:<9} {row['status']}")
+            continue
+        ms, gb = row["time_s"] * 1e3, row["peak_bytes"] / 1e9
+        vs = ""
+        if base is not None and row is not base:
+            vs = f"  ({base['time_s'] / row['time_s']:.2f}x faster, {base['peak_bytes'] / max(row['peak_bytes'], 1):.2f}x less memory than openrlhf)"
+        lines.append(f"  {row['backend']:<9} {ms:8.2f} ms  {gb:6.2f} GB{vs}")
+    return lines
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = ArgumentParser(
+        prog="openrlhf-lopti check-gpu",
+        description="Check the Triton kernel against the torch reference on this GPU (forward and backward, "
+        "fp32 / bf16 / fp16, V up to 151936, -inf columns, temperatures) and benchmark the loss head; "
+        "prints one report to paste into an issue.",
+    )
+    parser.add_argument("--device", default="cuda", help="the CUDA device to check (default: cuda, i.e. the current one)")
+    parser.add_argument("--no-bench", action="store_true", help="the self-check only")
+    parser.add_argument("--bench-n", type=int, default=8192, help="tokens of the benchmark (default 8192)")
+    parser.add_argument("--bench-v", type=int, default=151936, help="vocabulary of the benchmark (default 151936)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"check-gpu: no CUDA device visible to torch {torch.__version__} on this machine: nothing to check.")
+        return 0
+
+    from openrlhf_lopti.ops.triton.self_check import WIDE_CASES, run_self_check
+
+    device = torch.device(args.device)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception as exc:  # the report says why instead of a traceback
+        triton_version = f"not importable ({type(exc).__name__}: {exc})"
+    properties = torch.cuda.get_device_properties(device)
+    lines = [
+        "openrlhf-lopti check-gpu report",
+        f"device: {properties.name} (sm_{properties.major}{properties.minor}, {properties.total_memory / 2**30:.0f} GiB)",
+        f"driver: {_driver_version()}, CUDA runtime {torch.version.cuda}",
+        f"torch {torch.__version__}, triton {triton_version}, python {platform.python_version()}",
+    ]
+    result = run_self_check(device, WIDE_CASES)
+    lines.append(f"self-check ({len(WIDE_CASES)} cases, forward and backward vs the torch reference): {result.summary()}")
+    if not args.no_bench:
+        lines += _benchmark(args.bench_n, args.bench_v)
+    print("\n".join(lines))
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    from openrlhf_lopti.errors import run_command
+
+    sys.exit(run_command("openrlhf-lopti check-gpu", main, sys.argv[1:]))
