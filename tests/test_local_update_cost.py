@@ -23,7 +23,7 @@ from openrlhf_lopti.local.task import compact_prompt, puzzles
 from openrlhf_lopti.local.update import update_policy
 
 from .kernel_cases import allow_float64_logits
-from .numerics import Float64Shadow, assert_all_same_computation, assert_same_computation
+from .numerics import Float64Shadow, assert_same_computation
 
 N_LOW = 3  # tokens below eta: Lopti's low phase holds only these, so most of its micro-batches hold none
 
@@ -132,11 +132,10 @@ def assert_same_parameters(model, ours, reference, experience: Experience, cfg: 
     with Float64Shadow():
         experience64 = dataclasses.replace(experience, **doubled)
         (ours64, _, _), (reference64, _, _) = run_both(copy.deepcopy(model).double(), experience64, cfg)
-    names = [name for name, _ in model.named_parameters()]
-    assert_all_same_computation(
-        f"parameters {names}", list(ours.parameters()), list(reference.parameters()), list(ours64.parameters()),
-        list(reference64.parameters()), a_name="update_policy", b_name="written out",
-    )  # fmt: skip
+    runs = zip(model.named_parameters(), ours.parameters(), reference.parameters(), ours64.parameters(),
+               reference64.parameters())  # fmt: skip
+    for (name, _), *tensors in runs:
+        assert_same_computation(name, *tensors, a_name="update_policy", b_name="written out")
     moved = max(float((b - start).detach().abs().max()) for start, b in zip(model.parameters(), reference.parameters()))
     assert moved > 1e-3  # the update did something to compare
 
