@@ -318,10 +318,14 @@ def test_auto_on_cpu_is_cpp_when_built_else_torch(spies, monkeypatch, cpp_built)
 
 @pytest.mark.parametrize("has_triton", [True, False])
 def test_auto_on_cuda_is_triton_when_available_else_torch(monkeypatch, has_triton):
-    # No CUDA tensor can be made on the CPU CI: the resolver only reads `is_cuda`.
+    # No CUDA tensor can be made on the CPU CI: the resolver only reads `is_cuda` and `device`. The self-check it
+    # runs first on that device is tested in test_ops_triton_self_check.py; here it passes.
+    from openrlhf_lopti.ops.triton import self_check
+
     monkeypatch.setattr(triton_module, "triton_available", lambda: has_triton)
+    monkeypatch.setattr(self_check, "triton_verified", lambda device: True)
     monkeypatch.setattr(cpp_module, "cpp_available", lambda: True)  # never chosen for CUDA tensors
-    chosen = fused_module.resolve_backend("auto", SimpleNamespace(is_cuda=True))
+    chosen = fused_module.resolve_backend("auto", SimpleNamespace(is_cuda=True, device=torch.device("cuda:0")))
     assert chosen == ("triton" if has_triton else "torch")
 
 
