@@ -154,6 +154,7 @@ def tiny_kk(tmp_path: Path, train_per_n: int) -> dict:
 
 
 def test_kk_script_trains_on_cpu_syncs_the_vllm_weights_and_resumes(driver, tmp_path, capfd):
+    import ray
     from transformers import AutoModelForCausalLM
 
     from openrlhf_lopti.cli.train_ppo_ray import main

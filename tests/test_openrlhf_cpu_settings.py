@@ -14,7 +14,7 @@ BASE = ["--cpu", "--actor.model_name_or_path", "m", "--reward.remote_url", "rewa
     [
         (["--ds.packing_samples"], "--ds.packing_samples needs flash-attn's variable-length attention"),
         (["--vllm.tensor_parallel_size", "2"], "--vllm.tensor_parallel_size 2: --cpu runs one vLLM CPU worker per engine"),
-        (["--data.max_images_per_prompt", "1"], "--data.max_images_per_prompt: the CPU install leaves out torchvision"),
+        (["--data.max_images_per_prompt", "1", "--algo.advantage.estimator", "reinforce"], "--data.max_images_per_prompt: the CPU install leaves out torchvision"),
         (["--vllm.num_engines", "0"], "--vllm.num_engines must be >= 1"),
         (["--ds.load_in_4bit"], "--ds.load_in_4bit needs bitsandbytes' CUDA kernels"),
     ],
@@ -26,7 +26,7 @@ def test_what_would_change_results_is_an_error(flags, error):
 
 def test_speed_and_transport_settings_are_noted_and_replaced():
     flags = ["--ds.attn_implementation", "flash_attention_2", "--vllm.sync_backend", "nccl", "--vllm.sync_with_ray",
-             "--ds.adam_offload", "--vllm.enable_sleep", "--ds.enable_sleep"]  # fmt: skip
+             "--ds.adam_offload", "--vllm.enable_sleep", "--ds.enable_sleep", "--train.colocate_all"]  # fmt: skip
     args = parse_args(BASE + flags)
     errors, notes = cpu_settings(args)
     assert errors == []
