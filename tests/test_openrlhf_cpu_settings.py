@@ -73,16 +73,17 @@ def test_a_head_size_vllms_cpu_attention_refuses_stops_the_launch_before_ray(mon
     import openrlhf_lopti.openrlhf.cpu.runtime as runtime
     from openrlhf_lopti.local.tiny_model import build_tiny_model
 
-    for heads, head_size in ((4, 16), (2, 32)):
-        model, tokenizer = build_tiny_model(hidden_size=64, num_layers=1, num_heads=heads, vocab_size=300)
-        model.save_pretrained(tmp_path / str(head_size))
-        args = parse_args(BASE + ["--actor.model_name_or_path", str(tmp_path / str(head_size))])
-        errors = runtime.check_model_head_size(args)
-        assert errors == ([] if head_size == 32 else [errors[0]])
-    assert errors == [] and len(runtime.check_model_head_size(parse_args(BASE + ["--actor.model_name_or_path", str(tmp_path / "16")]))) == 1
+    def args_for(heads: int):
+        path = tmp_path / f"heads{heads}"
+        build_tiny_model(hidden_size=64, num_layers=1, num_heads=heads, vocab_size=300)[0].save_pretrained(path)
+        return parse_args(BASE + ["--actor.model_name_or_path", str(path)])
+
+    assert runtime.check_model_head_size(args_for(2)) == []  # head size 32: tiny-model's default
+    refused = args_for(4)  # head size 16
     monkeypatch.setattr(runtime, "init_ray", lambda args: pytest.fail("Ray must not start"))
     with pytest.raises(SystemExit) as exit_info:
-        runtime.launch_on_cpu(parse_args(BASE + ["--actor.model_name_or_path", str(tmp_path / "16")]))
+        runtime.launch_on_cpu(refused)
     message = str(exit_info.value)
-    assert message.count("\n") == 0 and message.startswith(f"--cpu: --actor.model_name_or_path {tmp_path / '16'}: head size 16 ")
-    assert "(32, 64, 80, 96, 112, 128" in message
+    assert "\n" not in message
+    assert message.startswith(f"--cpu: --actor.model_name_or_path {refused.actor.model_name_or_path}: head size 16 ")
+    assert "(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)" in message

@@ -62,7 +62,7 @@ class CPUWorkerWrap(WorkerWrap):
     ):
         """Join upstream's weight-sync group as rank ``rank_offset`` + this worker's rank (gloo, no Ray collective)."""
         if use_ray:
-            raise ValueError("--cpu weight sync runs without --vllm.sync_with_ray (see openrlhf_lopti.openrlhf.cpu.sync)")
+            raise ValueError("--cpu weight sync runs without --vllm.sync_with_ray (see cpu/sync.py)")
         rank = torch.distributed.get_rank() + rank_offset
         self._model_update_with_ray = False
         self._model_update_group = StatelessGlooGroup(master_address, int(master_port), rank, int(world_size))
@@ -71,7 +71,9 @@ class CPUWorkerWrap(WorkerWrap):
         """Receive parameter ``name`` from the policy's rank 0 (upstream's ``broadcast_to_vllm``) and load it;
         after the last one (upstream's ``empty_cache=True``), repack the linear layers."""
         if dtype != self.model_config.dtype:
-            raise TypeError(f"--cpu weight sync: the policy sent {name} in {dtype}, the engine runs {self.model_config.dtype}")
+            raise TypeError(
+                f"--cpu weight sync: the policy sent {name} in {dtype}, the engine runs {self.model_config.dtype}"
+            )
         weight = torch.empty(shape, dtype=dtype, device=self.device)
         self._model_update_group.broadcast(weight, src=0)
         self.model_runner.model.load_weights(weights=[(name, weight)])
