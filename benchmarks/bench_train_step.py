@@ -8,7 +8,7 @@ Trainers (``--trainers``):
   paths) in an order rotated from round to round, so a method never always runs first or last on a shared
   machine. The first ``--warmup`` rounds are not counted.
 - ``openrlhf``: OpenRLHF 0.11.2's own pipeline, ``python -m openrlhf_lopti.cli.train_ppo_ray --cpu`` (real
-  DeepSpeed actor, Ray, Hugging Face ``generate`` for vLLM; one policy, one reference, one rollout engine,
+  DeepSpeed actor, Ray, vLLM on its CPU backend; one policy, one reference, one rollout engine,
   colocated), one launch per (loss path, method), launches in a rotated order, ``--openrlhf-warmup`` +
   ``--openrlhf-steps`` RL steps each; the first steps of each launch are not counted. Stage times are
   upstream's own ``timing/*`` (TensorBoard ``train/timing/*``; the step is their sum); per-phase Lopti times

@@ -42,11 +42,11 @@ def test_bad_value_of_our_flag_exits_2_with_the_flag_named():
 
 
 def test_launch_without_the_gpu_stack_says_so():
-    if importlib.util.find_spec("vllm") is not None and not getattr(sys.modules.get("vllm"), STUB_MARKER, False):
-        pytest.skip("real vLLM installed: the same command would start Ray")
+    if importlib.util.find_spec("flash_attn") is not None and not getattr(sys.modules.get("flash_attn"), STUB_MARKER, False):
+        pytest.skip("real flash-attn installed (GPU install): the same command would start Ray")
     result = run_cli(*BASE, "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2")
     assert result.returncode != 0
-    assert "launching needs OpenRLHF's GPU stack" in result.stderr
+    assert "launching needs OpenRLHF's GPU stack" in result.stderr and "flash_attn" in result.stderr  # vLLM is here
 
 
 @pytest.mark.parametrize(

@@ -2,10 +2,16 @@
 
 The script's exact command line (captured from the script, plus the shrink flags a laptop needs) runs in this
 process as the Ray driver: a local Ray with logical GPUs, 2 data-parallel policy ranks under ZeRO-2 with
-AR + Lopti and the fused loss on the C++ kernel, 2 reference ranks, 2 CPU rollout engines colocated with them
-(the script's ``--train.colocate_all``), KL as a loss, a cosine LR schedule, K&K rewards, eval and checkpoints;
-then the same command resumes from its checkpoint with ``--ckpt.load_enable``. Being the driver lets the test
-read the rollout engines' weights after training: the weight sync is checked, not assumed.
+AR + Lopti and the fused loss on the C++ kernel, 2 reference ranks, 2 vLLM engines (vLLM's CPU backend, through
+upstream's ``create_vllm_engines``) colocated with them (the script's ``--train.colocate_all``), KL as a loss, a
+cosine LR schedule, K&K rewards, eval and checkpoints; then the same command resumes from its checkpoint with
+``--ckpt.load_enable``. The controller is upstream's with one addition (:func:`checked_sync_controller`): after
+every weight sync it reads the policy's parameters and every engine's (vLLM's own, through ``collective_rpc``)
+and records whether they are equal bit for bit (fp32).
+
+``--algo.advantage.is_correction_level`` (TIS, ICEPOP, seq-mask-TIS) runs with AR + Lopti on vLLM's real rollout
+log-probs: upstream logs ``vllm_kl``, the mean of vLLM's sampled log-probs minus the trainer's recomputed
+log-probs of the same tokens, which is bounded here (fp32 on both sides).
 """
 
 import subprocess
@@ -58,51 +64,104 @@ def scalars(logdir: Path, tag: str) -> dict:
     return {event.step: event.value for event in events.Scalars(tag)} if tag in events.Tags()["scalars"] else {}
 
 
+def checked_sync_controller(log_path: Path):
+    """``LoptiPPOTrainer`` (upstream's controller) whose ``broadcast_to_vllm`` then compares, for every vLLM engine,
+    vLLM's parameters (``collective_rpc("model_weights")``) with the policy rank 0's, and appends one JSON line
+    to ``log_path``. Defined in a function so Ray pickles it by value (the tests package is not importable there)."""
+    import json
+
+    import ray
+
+    from openrlhf_lopti.openrlhf.evaluation import LoptiPPOTrainer
+
+    def policy_weights(actor):
+        return {name: p.detach().clone() for name, p in actor.actor.model.module.named_parameters()}
+
+    def in_vllm_names(hf: dict) -> dict:
+        """A Llama's Hugging Face parameters under vLLM's names: q/k/v and gate/up fused, lm_head tied."""
+        fused = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj"))}
+        out = {}
+        for name, value in hf.items():
+            part = name.split(".")[-2]
+            if part in fused:
+                target, parts = fused[part]
+                out[name.replace(part, target)] = torch.cat([hf[name.replace(part, p)] for p in parts])
+            elif part not in ("k_proj", "v_proj", "up_proj") and name != "lm_head.weight":
+                out[name] = value
+        return out
+
+    class CheckedSyncTrainer(LoptiPPOTrainer.__ray_actor_class__):
+        def broadcast_to_vllm(self):
+            super().broadcast_to_vllm()
+            expected = in_vllm_names(ray.get(self.actor_model_group._actor_handlers[0].__ray_call__.remote(policy_weights)))
+            for engine in self.vllm_engines:
+                (weights,) = ray.get(engine.collective_rpc.remote("model_weights"))
+                record = {
+                    "names_equal": sorted(weights) == sorted(expected),
+                    "dtypes": sorted({str(w.dtype) for w in weights.values()}),
+                    "unequal": [n for n in expected if n not in weights or not torch.equal(weights[n], expected[n])],
+                }
+                with open(log_path, "a") as log:
+                    log.write(json.dumps(record) + "\n")
+
+    return ray.remote(CheckedSyncTrainer)
+
+
 @pytest.fixture
-def driver(monkeypatch):
-    """This process as the Ray driver of a ``--cpu`` run; what launching rebinds or sets is restored after."""
+def driver(monkeypatch, tmp_path):
+    """This process as the Ray driver of a ``--cpu`` run whose controller checks every weight sync (the path of
+    its log is yielded); what launching rebinds or sets is restored after."""
     install_cpu_stubs()
     import openrlhf.cli.train_ppo_ray as upstream
     import openrlhf.trainer.ppo_trainer as controller
     import ray
 
-    import openrlhf_lopti.openrlhf.cpu.rollout as rollout
+    import openrlhf_lopti.openrlhf.evaluation as evaluation
 
     for module, name in ((upstream, "get_strategy"), (upstream, "create_vllm_engines"),
-                         (upstream, "PolicyModelActor"), (controller, "PPOTrainer")):  # fmt: skip
+                         (upstream, "PolicyModelActor"), (upstream, "ReferenceModelActor"),
+                         (controller, "PPOTrainer")):  # fmt: skip
         monkeypatch.setattr(module, name, getattr(module, name))
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    engines = []
-    create = rollout.create_cpu_rollout_engines
-
-    def create_and_keep(*args, **kwargs):
-        engines[:] = create(*args, **kwargs)
-        return engines
-
-    monkeypatch.setattr(rollout, "create_cpu_rollout_engines", create_and_keep)
-    yield engines
+    log = tmp_path / "syncs.jsonl"
+    monkeypatch.setattr(evaluation, "LoptiPPOTrainer", checked_sync_controller(log))
+    yield log
     ray.shutdown()
 
 
-def test_kk_script_trains_on_cpu_syncs_the_rollout_weights_and_resumes(driver, tmp_path, capfd):
-    import ray
-    from transformers import AutoModelForCausalLM
+def sync_records(log: Path) -> list:
+    import json
 
-    from openrlhf_lopti.cli.train_ppo_ray import main
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def tiny_kk(tmp_path: Path, train_per_n: int) -> dict:
+    """A tiny model (head size 32, peaky), K&K data and the reward file: the script's environment."""
     from openrlhf_lopti.local.tiny_model import build_tiny_model
 
-    model_dir, data, save = tmp_path / "tiny", tmp_path / "kk", tmp_path / "save"
+    model_dir, data = tmp_path / "tiny", tmp_path / "kk"
     model, tokenizer = build_tiny_model(vocab_size=512, max_positions=512)
     with torch.no_grad():
         model.model.norm.weight.mul_(8)  # peaky next-token distributions: tokens on both sides of eta = 0.5
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
     run([sys.executable, "-m", "openrlhf_lopti", "data", "kk", "--out", str(data), "--people", "2", "3",
-         "--train-per-n", "8", "--test-per-n", "2"])  # fmt: skip
+         "--train-per-n", str(train_per_n), "--test-per-n", "2"])  # fmt: skip
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
-    env = {"CPU": "1", "MODEL": str(model_dir), "DATA_DIR": str(data), "SAVE_DIR": str(save), "REWARD_FILE": str(reward)}
+    return {"CPU": "1", "MODEL": str(model_dir), "DATA_DIR": str(data), "SAVE_DIR": str(tmp_path / "save"),
+            "REWARD_FILE": str(reward)}  # fmt: skip
+
+
+def test_kk_script_trains_on_cpu_syncs_the_vllm_weights_and_resumes(driver, tmp_path, capfd):
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from openrlhf_lopti.cli.train_ppo_ray import main
+
+    env = tiny_kk(tmp_path, train_per_n=8)
+    save = Path(env["SAVE_DIR"])
+    initial = AutoModelForCausalLM.from_pretrained(env["MODEL"]).state_dict()
     _, argv = script_launch(SCRIPT, tmp_path / "script", *SHRINK, env=env)
 
     main(argv)
@@ -113,11 +172,11 @@ def test_kk_script_trains_on_cpu_syncs_the_rollout_weights_and_resumes(driver, t
     assert {"global_step2", "global_step4", "best_global_step2"} <= {p.name for p in ckpt.iterdir()}
     trained = AutoModelForCausalLM.from_pretrained(run_dir).state_dict()
     assert any(not torch.equal(trained[k], initial[k]) for k in initial)  # training moved the weights
-    # every rollout engine holds the trained weights: upstream's broadcast_to_vllm reached it after each step
-    for engine in driver:
-        synced = ray.get(engine.__ray_call__.remote(lambda self: self.model.state_dict()))
-        for name, value in trained.items():
-            assert torch.equal(synced[name], value), name
+    # after each of the 4 steps' weight syncs, both vLLM engines held exactly the policy's fp32 weights
+    records = sync_records(driver)
+    assert len(records) == 4 * 2, records
+    for record in records:
+        assert record == {"names_equal": True, "dtypes": ["torch.float32"], "unequal": []}
 
     logs = run_dir / "tensorboard" / "kk_grpo_ar_lopti"
     lrs = scalars(logs, "train/actor_lr")
@@ -129,5 +188,46 @@ def test_kk_script_trains_on_cpu_syncs_the_rollout_weights_and_resumes(driver, t
     ray.shutdown()
     main(argv + ["--ckpt.load_enable", "--train.num_episodes", "2"])  # resume: episode 2 from the step-4 state
     assert sorted(scalars(logs, "train/actor_lr")) == [1, 2, 3, 4, 5, 6, 7, 8]  # no step redone
+    # resuming syncs the loaded weights first (upstream's fit), then after each of steps 5-8
+    records = sync_records(driver)
+    assert len(records) == (4 + 1 + 4) * 2 and all(r["names_equal"] and not r["unequal"] for r in records)
     assert {"global_step6", "global_step8"} <= {p.name for p in ckpt.iterdir()}
     AutoModelForCausalLM.from_pretrained(run_dir)
+
+
+# Upstream's named schemes (its --algo.advantage.is_correction_* help): TIS clips the token ratio, ICEPOP masks
+# tokens outside [0.5, 5], seq-mask-TIS masks whole sequences by the ratio's geometric mean.
+IS_CORRECTION = {
+    "tis": ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip"],
+    "icepop": ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "mask"],
+    "seq-mask-tis": ["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "mask"],
+}
+# |mean(vLLM's sampled log-prob - the trainer's recomputed one)| per step, fp32 on both sides (measured: see README)
+VLLM_KL_BOUND = 1e-4
+
+
+@pytest.mark.parametrize("scheme", list(IS_CORRECTION))
+def test_is_correction_with_ar_and_lopti_on_vllm_rollout_log_probs(driver, tmp_path, scheme, capfd):
+    from openrlhf_lopti.cli.train_ppo_ray import main
+
+    env = tiny_kk(tmp_path, train_per_n=4)  # 8 prompts: 2 steps, the second generated after a weight sync
+    flags = SHRINK + ["--eval.steps", "-1", "--ckpt.save_steps", "-1"] + IS_CORRECTION[scheme]
+    _, argv = script_launch(SCRIPT, tmp_path / "script", *flags, env=env)
+    main(argv)
+    assert "using upstream's PolicyLoss because of --algo.advantage.is_correction_level" in capfd.readouterr().out
+    logs = Path(env["SAVE_DIR"]) / "kk_grpo_ar_lopti" / "tensorboard" / "kk_grpo_ar_lopti"
+    vllm_kl = scalars(logs, "train/vllm_kl")
+    print(f"{scheme}: vllm_kl per step {vllm_kl}, is_filter_ratio {scalars(logs, 'train/is_filter_ratio')}")
+    assert sorted(vllm_kl) == [1, 2]
+    assert all(abs(value) < VLLM_KL_BOUND for value in vllm_kl.values()), vllm_kl
+    filtered = scalars(logs, "train/is_filter_ratio")
+    if scheme == "seq-mask-tis":
+        # Under Lopti each phase hands upstream's PolicyLoss the phase's tokens only; a sequence with none in a
+        # phase has an empty mask, upstream's masked_mean makes its statistic NaN and counts it as filtered (no
+        # token, no effect on the loss). Measured: 0.3% and 1.4% of the logged units.
+        assert all(value < 0.05 for value in filtered.values()), filtered
+    else:
+        assert all(value == 0 for value in filtered.values()), filtered  # no token out of band
+    for tag in ("train/lopti/low_token_frac", "train/ar/mean_weight", "train/lopti/high/policy_loss"):
+        assert sorted(scalars(logs, tag)) == [1, 2], tag
+    assert len(sync_records(driver)) == 2 * 2 and all(not r["unequal"] for r in sync_records(driver))

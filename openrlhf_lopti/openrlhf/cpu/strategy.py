@@ -6,7 +6,8 @@ It changes only what upstream binds to CUDA, each in one method:
   ``(dp, sp, tp)`` device mesh on ``"cpu"`` instead of ``"cuda"``. Every model actor (policy, reference,
   reward, critic) calls it first, so it also answers, for the rest of that process, the bare ``torch.cuda``
   calls of upstream's trainer (``current_device``, ``synchronize``, ``current_stream``; see
-  :func:`answer_cuda_calls_on_cpu`) and lets ``--ds.param_dtype fp32`` load models in fp32;
+  :func:`answer_cuda_calls_on_cpu`), lets ``--ds.param_dtype fp32`` load models in fp32, and gives the policy's
+  weight sync to the vLLM engines a gloo group instead of vLLM's NCCL one (:mod:`.sync`);
 - ``get_ds_train_config``: DeepSpeed builds ``torch.optim.AdamW`` (``torch_adam``) instead of its CUDA
   ``FusedAdam``;
 - ``moving_average`` (``--train.enable_ema``): upstream's, on ``"cpu"`` where the trainer asks for ``"cuda"``.
@@ -27,6 +28,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import openrlhf.utils.deepspeed.deepspeed as upstream_strategy_module
 import openrlhf.utils.utils as upstream_utils
 from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+from .sync import use_gloo_for_weight_sync
 
 
 class _CPUDevice(str):
@@ -78,6 +81,7 @@ class CPUDeepspeedStrategy(DeepspeedStrategy):
 
     def setup_distributed(self, timeout: timedelta = timedelta(minutes=60)) -> None:
         answer_cuda_calls_on_cpu()
+        use_gloo_for_weight_sync()  # the policy's rank 0 joins the vLLM engines' weight-sync group over gloo
         with _cuda_bindings_on_cpu():
             super().setup_distributed(timeout)
 

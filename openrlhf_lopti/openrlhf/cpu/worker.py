@@ -1,0 +1,88 @@
+"""``CPUWorkerWrap``: upstream's vLLM worker extension (``WorkerWrap``) on vLLM's CPU backend.
+
+vLLM loads it by name (``worker_extension_cls``) into its worker process before it builds the model, and
+upstream's rollout actor calls its methods through ``collective_rpc``. Two things differ from a GPU worker:
+
+- upstream's ``update_weight`` allocates the received tensor on ``"cuda"`` and broadcasts on a CUDA stream; here
+  it is allocated on the worker's device and received over the gloo group of :mod:`.sync`, then loaded with
+  vLLM's own ``model.load_weights`` as upstream does;
+- vLLM's CPU backend repacks every linear layer's weight for its GEMM kernels (oneDNN / packed) once, after
+  loading, and then frees the weight itself, so ``load_weights`` would have nowhere to write and the packed copy
+  would never change. Importing this module (vLLM does, in its worker, before loading the model) makes that
+  packing keep the weight (:func:`_keep_weights_when_packing`); after the last parameter of a sync the layers
+  are packed again from the new weights (:func:`repack_linear_layers`).
+"""
+
+import functools
+
+import torch
+
+from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
+
+from .sync import StatelessGlooGroup
+
+
+def _keep_weights_when_packing() -> None:
+    """Make vLLM's ``dispatch_cpu_unquantized_gemm`` (looked up at call time by its linear layers) keep the weight."""
+    from vllm.model_executor.layers import utils
+
+    if getattr(utils.dispatch_cpu_unquantized_gemm, "keeps_weight", False):
+        return
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+
+    @functools.wraps(dispatch)
+    def dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        dispatch(layer, remove_weight=False)
+
+    dispatch_keeping_weight.keeps_weight = True
+    utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+
+
+_keep_weights_when_packing()
+
+
+def repack_linear_layers(model: torch.nn.Module) -> int:
+    """Pack again, from their current weights, the layers vLLM packed for its CPU GEMMs; returns how many."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "cpu_linear") or getattr(module, "_cpu_skip_gemm_dispatch", False):
+            continue
+        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.numel() > 0:
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            count += 1
+    return count
+
+
+class CPUWorkerWrap(WorkerWrap):
+    def init_process_group(
+        self, master_address, master_port, rank_offset, world_size, group_name, backend="gloo", use_ray=False
+    ):
+        """Join upstream's weight-sync group as rank ``rank_offset`` + this worker's rank (gloo, no Ray collective)."""
+        if use_ray:
+            raise ValueError("--cpu weight sync runs without --vllm.sync_with_ray (see cpu/sync.py)")
+        rank = torch.distributed.get_rank() + rank_offset
+        self._model_update_with_ray = False
+        self._model_update_group = StatelessGlooGroup(master_address, int(master_port), rank, int(world_size))
+
+    def update_weight(self, name, dtype, shape, empty_cache=False):
+        """Receive parameter ``name`` from the policy's rank 0 (upstream's ``broadcast_to_vllm``) and load it;
+        after the last one (upstream's ``empty_cache=True``), repack the linear layers."""
+        if dtype != self.model_config.dtype:
+            raise TypeError(
+                f"--cpu weight sync: the policy sent {name} in {dtype}, the engine runs {self.model_config.dtype}"
+            )
+        weight = torch.empty(shape, dtype=dtype, device=self.device)
+        self._model_update_group.broadcast(weight, src=0)
+        self.model_runner.model.load_weights(weights=[(name, weight)])
+        if empty_cache:
+            repack_linear_layers(self.model_runner.model)
+
+    def update_weight_cuda_ipc(self, *args, **kwargs):
+        raise RuntimeError("CUDA IPC weight sync needs GPUs: --cpu uses --vllm.sync_backend gloo")
+
+    def model_weights(self) -> dict:
+        """The engine's parameters under vLLM's names (its fused ``qkv_proj`` / ``gate_up_proj``), copied."""
+        return {name: param.detach().clone() for name, param in self.model_runner.model.named_parameters()}
