@@ -52,9 +52,15 @@ def settings(tmp_path, **kw) -> dict:
         per_device_train_batch_size=4, num_generations=4, max_completion_length=8, temperature=1.0,
         gradient_accumulation_steps=2, steps_per_generation=2, max_steps=1, learning_rate=LR, optim="sgd",
         lr_scheduler_type="constant", max_grad_norm=0.0, beta=0.0, epsilon=0.2, epsilon_high=0.28,
-        loss_backend="torch",
+        loss_backend="torch", bf16=False,  # TRL's default bf16=True is a bf16 autocast on CPU too
     )  # fmt: skip
     return {**base, **kw}
+
+
+def distinct_words(prompts: list, completions: list, **kwargs) -> list:
+    """A reward that varies between the random model's completions (K&K's is -3 for all of them): nonzero
+    advantages for the update comparisons."""
+    return [float(len(set(c.split()))) for c in completions]
 
 
 def recording(cls):
@@ -68,10 +74,10 @@ def recording(cls):
     return Recording
 
 
-def train(cls, config, tok, dataset=None):
+def train(cls, config, tok, dataset=None, reward=distinct_words):
     """``(initial state_dict, trainer after train(), recorded inputs)``."""
     trainer = recording(cls)(
-        model=tiny_model(tok), reward_funcs=[kk_reward], args=config, train_dataset=dataset or kk_dataset(),
+        model=tiny_model(tok), reward_funcs=[reward], args=config, train_dataset=dataset or kk_dataset(),
         processing_class=tok,
     )  # fmt: skip
     trainer.recorded = []
@@ -166,6 +172,7 @@ def test_lopti_ar_round_matches_hand_written(tmp_path, tok, loss_type, fused_lm_
     low = torch.cat([m.flatten() for m in masks[:2]]).sum()
     high = torch.cat([m.flatten() for m in masks[2:]]).sum()
     assert low > 0 and high > 0, "the batch must hold tokens of both phases"
+    assert all(bool(r["advantages"].abs().max() > 0) for r in recorded)
     for r in recorded[:2]:  # the low phase: old probability below eta
         assert bool((r["old_per_token_logps"].exp()[r["lopti_phase_mask"]] < 0.5).all())
 
@@ -173,13 +180,16 @@ def test_lopti_ar_round_matches_hand_written(tmp_path, tok, loss_type, fused_lm_
     ours = trained_params(trainer)
     ref32 = hand_round(tok, initial, recorded, cfg, torch.float32)
     ref64 = hand_round(tok, initial, recorded, cfg, torch.float64)
-    for i, (err_ours, err_ref, allowed) in enumerate(update_errors(p0, ours, ref32, ref64)):
+    errors = update_errors(p0, ours, ref32, ref64)
+    for i, (err_ours, err_ref, allowed) in enumerate(errors):
         assert err_ours <= allowed, f"param {i}: trainer's update off by {err_ours:.3g} (hand fp32 {err_ref:.3g})"
     # the comparison sees a wrong denominator (the phase's own tokens, not every response token)
     if loss_type != "dr_grpo":  # dr_grpo's denominator is a constant
         bug64 = hand_round(tok, initial, recorded, cfg, torch.float64, denominators="phase")
-        assert any(e > allowed for e, _, allowed in update_errors(p0, ours, ref32, bug64))
-    logged = trainer.state.log_history[0]
+        bug_errors = update_errors(p0, ours, ref32, bug64)
+        assert any(bug[0] > right[2] for bug, right in zip(bug_errors, errors))
+    logged = {**trainer.state.log_history[1], **trainer.state.log_history[0]}  # step 1: low phase, step 2: high
+    assert "lopti/high/policy_loss" not in trainer.state.log_history[0]
     for key in ("lopti/low_token_frac", "lopti/threshold", "ar/mean_weight", "lopti/low/policy_loss",
                 "lopti/high/policy_loss", "lopti/low/clip_ratio", "entropy", "clip_ratio/region_mean"):  # fmt: skip
         assert key in logged, key
@@ -196,7 +206,7 @@ def test_off_equals_trl_grpo_trainer(tmp_path, tok):
     assert len(ours_inputs) == len(trl_inputs) == 2
     for a, b in zip(ours_inputs, trl_inputs):  # the same seed gave the same batch
         assert torch.equal(a["completion_ids"], b["completion_ids"])
-        assert torch.equal(a["advantages"], b["advantages"])
+        assert torch.equal(a["advantages"], b["advantages"]) and bool(a["advantages"].abs().max() > 0)
         assert "old_per_token_logps" not in b  # TRL's on-policy case: ours computed the anchor anyway
     cfg = ours.args
     p0 = initial_params(tok, ours_initial)
@@ -214,14 +224,15 @@ def test_kk_run_checkpoint_and_metrics(tmp_path, tok):
     cfg = LoptiGRPOConfig(
         **settings(tmp_path, max_steps=4, gradient_accumulation_steps=1, steps_per_generation=1, ar_alpha=0.3,
                    lopti_eta=0.5, save_strategy="steps", save_steps=4, optim="adamw_torch", max_grad_norm=1.0,
-                   learning_rate=1e-3, beta=0.01, loss_backend="auto")  # fmt: skip
+                   learning_rate=1e-3, beta=0.01, loss_backend="auto", bf16=True)  # fmt: skip
     )
-    _, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok, kk_dataset(8))
+    _, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok, kk_dataset(8), reward=kk_reward)
     assert [r["lopti_phase"] for r in recorded] == [0, 1, 0, 1]  # two generations, two phases each
     history = trainer.state.log_history
     steps = [h for h in history if "loss" in h or "reward" in h]
     assert len(steps) == 4
-    for key in ("reward", "kl", "entropy", "lopti/low_token_frac", "ar/mean_weight", "rewards/kk_reward/mean"):
+    for key in ("reward", "kl", "entropy", "lopti/low_token_frac", "ar/mean_weight", "rewards/kk_reward/mean",
+                "lopti/threshold"):  # fmt: skip
         assert any(key in h for h in steps), key
     assert any("lopti/low/policy_loss" in h for h in steps) and any("lopti/high/policy_loss" in h for h in steps)
     checkpoint = tmp_path / "checkpoint-4"

@@ -75,9 +75,8 @@ class LoptiGRPOTrainer(GRPOTrainer):
         if not isinstance(args, LoptiGRPOConfig):
             raise ValueError(f"args must be a LoptiGRPOConfig, got {type(args).__name__}")
         super().__init__(*args_, args=args, **kwargs)
+        from accelerate.utils import is_peft_model
         from transformers import ProcessorMixin
-
-        from trl.models.utils import is_peft_model
 
         problems = refusals(
             args,
