@@ -74,10 +74,10 @@ def recording(cls):
     return Recording
 
 
-def train(cls, config, tok, dataset=None, reward=distinct_words):
-    """``(initial state_dict, trainer after train(), recorded inputs)``."""
+def train(cls, config, tok, dataset=None, reward=distinct_words, model=None):
+    """``(initial state_dict, trainer after train(), recorded inputs)``; ``model`` defaults to the tiny Llama."""
     trainer = recording(cls)(
-        model=tiny_model(tok), reward_funcs=[reward], args=config, train_dataset=dataset or kk_dataset(),
+        model=tiny_model(tok) if model is None else model, reward_funcs=[reward], args=config, train_dataset=dataset or kk_dataset(),
         processing_class=tok,
     )  # fmt: skip
     trainer.recorded = []
@@ -226,7 +226,10 @@ def test_kk_run_checkpoint_and_metrics(tmp_path, tok):
                    lopti_eta=0.5, save_strategy="steps", save_steps=4, optim="adamw_torch", max_grad_norm=1.0,
                    learning_rate=1e-3, beta=0.01, loss_backend="auto", bf16=True)  # fmt: skip
     )
-    _, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok, kk_dataset(8), reward=kk_reward)
+    start = tmp_path / "tiny"  # a path, as a TRL user passes: TRL loads the reference model (beta != 0) from it
+    tiny_model(tok).save_pretrained(start)
+    tok.save_pretrained(start)
+    _, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok, kk_dataset(8), reward=kk_reward, model=str(start))
     assert [r["lopti_phase"] for r in recorded] == [0, 1, 0, 1]  # two generations, two phases each
     history = trainer.state.log_history
     steps = [h for h in history if "loss" in h or "reward" in h]
