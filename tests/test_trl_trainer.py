@@ -283,3 +283,15 @@ def test_trainer_needs_our_config(tmp_path, tok):
     with pytest.raises(ValueError, match="LoptiGRPOConfig"):
         LoptiGRPOTrainer(model=tiny_model(tok), reward_funcs=[kk_reward], args=GRPOConfig(**base),
                          train_dataset=kk_dataset(), processing_class=tok)  # fmt: skip
+
+
+def test_example_script_cpu_rehearsal(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "trl" / "train_kk_grpo_ar_lopti.py"
+    spec = importlib.util.spec_from_file_location("train_kk_grpo_ar_lopti", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--cpu", "--output-dir", str(tmp_path), "--max-steps", "2"]) == 0
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "tokenizer.json").exists()
