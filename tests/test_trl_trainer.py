@@ -158,23 +158,31 @@ def initial_params(tok, initial):
 
 
 @pytest.mark.parametrize(
-    "loss_type, fused_lm_head", [("dapo", False), ("grpo", True), ("bnpo", False), ("dr_grpo", False)]
+    "loss_type, fused_lm_head, iterations",
+    [("dapo", False, 1), ("grpo", True, 1), ("bnpo", False, 1), ("dr_grpo", False, 1), ("dapo", False, 2)],
 )
-def test_lopti_ar_round_matches_hand_written(tmp_path, tok, loss_type, fused_lm_head):
+def test_lopti_ar_round_matches_hand_written(tmp_path, tok, loss_type, fused_lm_head, iterations):
     cfg = LoptiGRPOConfig(
-        **settings(tmp_path, loss_type=loss_type, max_steps=2, ar_alpha=0.3, lopti_eta=0.5, fused_lm_head=fused_lm_head)
+        **settings(tmp_path, loss_type=loss_type, max_steps=2 * iterations, ar_alpha=0.3, lopti_eta=0.5,
+                   fused_lm_head=fused_lm_head, num_iterations=iterations)  # fmt: skip
     )
     initial, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok)
-    # two phases x steps_per_generation micro-batches, one generation; each phase one optimizer step of 2
-    assert [r["lopti_phase"] for r in recorded] == [0, 0, 1, 1]
-    assert trainer.state.global_step == 2
+    # one generation, two phases, each num_iterations x steps_per_generation micro-batches: optimizer steps of 2
+    per_phase = 2 * iterations
+    assert [r["lopti_phase"] for r in recorded] == [0] * per_phase + [1] * per_phase
+    assert trainer.state.global_step == 2 * iterations
     masks = [r["lopti_phase_mask"] & r["completion_mask"].bool() for r in recorded]
     low = torch.cat([m.flatten() for m in masks[:2]]).sum()
-    high = torch.cat([m.flatten() for m in masks[2:]]).sum()
+    high = torch.cat([m.flatten() for m in masks[per_phase : per_phase + 2]]).sum()
     assert low > 0 and high > 0, "the batch must hold tokens of both phases"
     assert all(bool(r["advantages"].abs().max() > 0) for r in recorded)
-    for r in recorded[:2]:  # the low phase: old probability below eta
-        assert bool((r["old_per_token_logps"].exp()[r["lopti_phase_mask"]] < 0.5).all())
+    for i, r in enumerate(recorded):  # low phase: old probability below eta; high phase: at or above it
+        p_old = r["old_per_token_logps"].exp()[r["lopti_phase_mask"]]
+        assert bool((p_old < 0.5).all()) if i < per_phase else bool((p_old >= 0.5).all())
+    for a, b in zip(recorded[:2], recorded[per_phase : per_phase + 2]):  # the same micro-batch in both phases
+        assert torch.equal(a["completion_ids"], b["completion_ids"])
+        assert not bool((a["lopti_phase_mask"] & b["lopti_phase_mask"]).any())
+        assert torch.equal(a["lopti_phase_mask"] | b["lopti_phase_mask"], a["completion_mask"].bool())
 
     p0 = initial_params(tok, initial)
     ours = trained_params(trainer)
@@ -188,7 +196,7 @@ def test_lopti_ar_round_matches_hand_written(tmp_path, tok, loss_type, fused_lm_
         bug64 = hand_round(tok, initial, recorded, cfg, torch.float64, denominators="phase")
         bug_errors = update_errors(p0, ours, ref32, bug64)
         assert any(bug[0] > right[2] for bug, right in zip(bug_errors, errors))
-    logged = {**trainer.state.log_history[1], **trainer.state.log_history[0]}  # step 1: low phase, step 2: high
+    logged = {**trainer.state.log_history[-2], **trainer.state.log_history[0]}  # low phase first, then high
     assert "lopti/high/policy_loss" not in trainer.state.log_history[0]
     for key in ("lopti/low_token_frac", "lopti/threshold", "ar/mean_weight", "lopti/low/policy_loss",
                 "lopti/high/policy_loss", "lopti/low/clip_ratio", "entropy", "clip_ratio/region_mean"):  # fmt: skip
@@ -238,6 +246,8 @@ def test_kk_run_checkpoint_and_metrics(tmp_path, tok):
                 "lopti/threshold"):  # fmt: skip
         assert any(key in h for h in steps), key
     assert any("lopti/low/policy_loss" in h for h in steps) and any("lopti/high/policy_loss" in h for h in steps)
+    evaluation = trainer.evaluate(kk_dataset(4))  # eval: the fused loss on every response token, no phases
+    assert "eval_loss" in evaluation and "eval_reward" in evaluation and "eval_entropy" in evaluation
     checkpoint = tmp_path / "checkpoint-4"
     assert (checkpoint / "trainer_state.json").exists()
     reloaded = AutoModelForCausalLM.from_pretrained(checkpoint)

@@ -215,7 +215,8 @@ class LoptiGRPOTrainer(GRPOTrainer):
         kind, source = self._completion_outputs(model, inputs, rows)
         if kind == "hidden":
             weight, bias = lm_head_parts(self.accelerator.unwrap_model(model))
-            out = fused_linear_policy_loss(source, weight, *per_token, bias=bias, **options)
+            # autocast may hand back the backbone's output in another dtype than the head's weight
+            out = fused_linear_policy_loss(source.to(weight.dtype), weight, *per_token, bias=bias, **options)
         else:
             out = fused_policy_loss(source, *per_token, **options)
 
