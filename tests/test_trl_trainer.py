@@ -86,11 +86,14 @@ def train(cls, config, tok, dataset=None, reward=distinct_words, model=None):
     return initial, trainer, trainer.recorded
 
 
-def hand_round(tok, initial, recorded, cfg, dtype, denominators="all"):
+def hand_round(tok, initial, recorded, cfg, dtype, denominators="all", beta=None):
     """The round the recorded micro-batches define, written out in plain torch: per micro-batch the clipped
     surrogate of paper Eq. 1 with the AR weight of Eq. 4, on the micro-batch's Lopti phase tokens, normalised as
     TRL's ``cfg.loss_type`` does over every response token (``denominators="phase"``: over the phase's tokens,
-    the planted bug); ``cfg.gradient_accumulation_steps`` micro-batches per SGD step. Returns the parameters."""
+    the planted bug), plus ``beta`` (default ``cfg.beta``) times the k3 KL to the recorded reference log-probs
+    (times the ratio with TRL's ``use_bias_correction_kl``);
+    ``cfg.gradient_accumulation_steps`` micro-batches per SGD step. Returns the parameters."""
+    beta = cfg.beta if beta is None else beta
     model = tiny_model(tok)
     model.load_state_dict(initial)
     model = model.to(dtype)
@@ -115,7 +118,12 @@ def hand_round(tok, initial, recorded, cfg, dtype, denominators="all"):
             adv = inp["advantages"].to(dtype)[:, None] * (alpha * old.exp() + 1 - alpha)
             ratio = (logp - old).exp()
             eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
-            per_token = -torch.min(ratio * adv, ratio.clamp(1 - cfg.epsilon, 1 + eps_high) * adv) * phase
+            per_token = -torch.min(ratio * adv, ratio.clamp(1 - cfg.epsilon, 1 + eps_high) * adv)
+            if beta:
+                ref = inp["ref_per_token_logps"].to(dtype)
+                kl = (ref - logp).exp() - (ref - logp) - 1
+                per_token = per_token + beta * (kl * ratio if cfg.use_bias_correction_kl else kl)
+            per_token = per_token * phase
             norm = mask if denominators == "all" else phase
             if cfg.loss_type == "grpo":
                 loss = ((per_token * norm).sum(-1) / norm.sum(-1).clamp(min=1)).mean() / ga
@@ -205,17 +213,31 @@ def test_lopti_ar_round_matches_hand_written(tmp_path, tok, loss_type, fused_lm_
     assert abs(logged["lopti/low_token_frac"] - float(low / (low + high))) < 1e-6
 
 
-def test_off_equals_trl_grpo_trainer(tmp_path, tok):
-    ours_initial, ours, ours_inputs = train(LoptiGRPOTrainer, LoptiGRPOConfig(**settings(tmp_path / "a")), tok)
-    base = settings(tmp_path / "b")
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),  # one optimizer step of 2 micro-batches: TRL's on-policy case (it skips the old log-probs)
+        # KL (TRL's default: times the ratio, outside our kernel); 2 optimizer steps per generated batch
+        dict(beta=0.1, loss_type="grpo", gradient_accumulation_steps=1, max_steps=2),
+        # KL inside the kernel (the paper's and OpenRLHF's k3 loss)
+        dict(beta=0.1, use_bias_correction_kl=False, loss_type="bnpo", gradient_accumulation_steps=1, max_steps=2),
+    ],
+)
+def test_off_equals_trl_grpo_trainer(tmp_path, tok, options):
+    start = tmp_path / "tiny"  # a path: TRL loads the KL reference model from it
+    tiny_model(tok).save_pretrained(start)
+    ours_cfg = LoptiGRPOConfig(**settings(tmp_path / "a", **options))
+    ours_initial, ours, ours_inputs = train(LoptiGRPOTrainer, ours_cfg, tok, model=str(start))
+    base = settings(tmp_path / "b", **options)
     base.pop("loss_backend")
-    trl_initial, theirs, trl_inputs = train(GRPOTrainer, GRPOConfig(**base), tok)
+    trl_initial, theirs, trl_inputs = train(GRPOTrainer, GRPOConfig(**base), tok, model=str(start))
     assert all(torch.equal(ours_initial[k], trl_initial[k]) for k in ours_initial)
     assert len(ours_inputs) == len(trl_inputs) == 2
     for a, b in zip(ours_inputs, trl_inputs):  # the same seed gave the same batch
         assert torch.equal(a["completion_ids"], b["completion_ids"])
         assert torch.equal(a["advantages"], b["advantages"]) and bool(a["advantages"].abs().max() > 0)
-        assert "old_per_token_logps" not in b  # TRL's on-policy case: ours computed the anchor anyway
+        if not options:
+            assert "old_per_token_logps" not in b  # TRL's on-policy case: ours computed the anchor anyway
     cfg = ours.args
     p0 = initial_params(tok, ours_initial)
     ref32 = hand_round(tok, ours_initial, ours_inputs, cfg, torch.float32)
@@ -224,6 +246,10 @@ def test_off_equals_trl_grpo_trainer(tmp_path, tok):
         for i, (err, err_ref, allowed) in enumerate(update_errors(p0, trained_params(trainer), ref32, ref64)):
             assert err <= allowed, f"{name} param {i}: update off by {err:.3g} (hand fp32 {err_ref:.3g})"
     assert any((a - b).abs().max() > 0 for a, b in zip(trained_params(ours), p0)), "the step moved nothing"
+    if cfg.beta:  # the KL term is in both updates: the hand round without it is another update
+        no_kl64 = hand_round(tok, ours_initial, ours_inputs, cfg, torch.float64, beta=0.0)
+        errors = update_errors(p0, trained_params(ours), ref32, ref64)
+        assert any(bad[0] > right[2] for bad, right in zip(update_errors(p0, trained_params(ours), ref32, no_kl64), errors))
 
 
 def test_kk_run_checkpoint_and_metrics(tmp_path, tok):

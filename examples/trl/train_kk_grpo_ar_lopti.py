@@ -85,6 +85,7 @@ def main(argv=None) -> int:
         seed=args.seed,
         temperature=0.7,
         beta=0.001,
+        use_bias_correction_kl=False,  # the paper's k3 KL loss (TRL's default multiplies it by the ratio)
         epsilon=0.2,
         epsilon_high=0.24,
         loss_type="dapo",
