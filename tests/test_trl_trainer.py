@@ -91,7 +91,7 @@ def hand_round(tok, initial, recorded, cfg, dtype, denominators="all", beta=None
     surrogate of paper Eq. 1 with the AR weight of Eq. 4, on the micro-batch's Lopti phase tokens, normalised as
     TRL's ``cfg.loss_type`` does over every response token (``denominators="phase"``: over the phase's tokens,
     the planted bug), plus ``beta`` (default ``cfg.beta``) times the k3 KL to the recorded reference log-probs
-    (times the ratio with TRL's ``use_bias_correction_kl``);
+    (times the ratio with TRL's ``use_bias_correction_kl``), minus TRL's entropy bonus;
     ``cfg.gradient_accumulation_steps`` micro-batches per SGD step. Returns the parameters."""
     beta = cfg.beta if beta is None else beta
     model = tiny_model(tok)
@@ -134,6 +134,10 @@ def hand_round(tok, initial, recorded, cfg, dtype, denominators="all", beta=None
             else:  # dapo: tokens of the generation batch, per optimizer step
                 items = float(inp["num_items_in_batch"]) if denominators == "all" else phase_items[inp.get("lopti_phase", 0)]
                 loss = per_token.sum() / (items * ga / cfg.steps_per_generation)
+            if cfg.entropy_coef:  # TRL's bonus: mean entropy over the response tokens, per accumulation step
+                probs = torch.softmax(logits / cfg.temperature, -1)
+                entropy = -(probs * torch.log_softmax(logits / cfg.temperature, -1)).sum(-1)
+                loss = loss - cfg.entropy_coef * (entropy * phase).sum() / mask.sum().clamp(min=1) / ga
             loss.backward()
         with torch.no_grad():
             for p in params:
@@ -221,6 +225,7 @@ def test_lopti_ar_round_matches_hand_written(tmp_path, tok, loss_type, fused_lm_
         dict(beta=0.1, loss_type="grpo", gradient_accumulation_steps=1, max_steps=2),
         # KL inside the kernel (the paper's and OpenRLHF's k3 loss)
         dict(beta=0.1, use_bias_correction_kl=False, loss_type="bnpo", gradient_accumulation_steps=1, max_steps=2),
+        dict(entropy_coef=0.05, loss_type="dr_grpo"),  # TRL's entropy bonus, from the kernel's entropy
     ],
 )
 def test_off_equals_trl_grpo_trainer(tmp_path, tok, options):
@@ -250,6 +255,24 @@ def test_off_equals_trl_grpo_trainer(tmp_path, tok, options):
         no_kl64 = hand_round(tok, ours_initial, ours_inputs, cfg, torch.float64, beta=0.0)
         errors = update_errors(p0, trained_params(ours), ref32, ref64)
         assert any(bad[0] > right[2] for bad, right in zip(update_errors(p0, trained_params(ours), ref32, no_kl64), errors))
+
+
+def test_lopti_quantile_threshold(tmp_path, tok):
+    from openrlhf_lopti.algo.lopti import quantile_threshold
+
+    cfg = LoptiGRPOConfig(
+        **settings(tmp_path, max_steps=2, gradient_accumulation_steps=1, steps_per_generation=1, lopti_quantile=0.3)
+    )
+    _, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok)
+    assert [r["lopti_phase"] for r in recorded] == [0, 1]
+    mask = recorded[0]["completion_mask"].bool()
+    probs = recorded[0]["old_per_token_logps"].exp()[mask]
+    threshold = quantile_threshold(probs, 0.3)
+    logged = trainer.state.log_history[0]
+    assert logged["lopti/threshold"] == pytest.approx(threshold, rel=1e-6)
+    low = recorded[0]["lopti_phase_mask"]
+    assert torch.equal(low, mask & (recorded[0]["old_per_token_logps"].exp() < threshold))
+    assert logged["lopti/low_token_frac"] == pytest.approx(float(low.sum() / mask.sum()), rel=1e-6)
 
 
 def test_kk_run_checkpoint_and_metrics(tmp_path, tok):
