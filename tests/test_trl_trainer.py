@@ -302,6 +302,15 @@ def test_kk_run_checkpoint_and_metrics(tmp_path, tok):
     reloaded = AutoModelForCausalLM.from_pretrained(checkpoint)
     for (name, a), b in zip(trainer.model.state_dict().items(), reloaded.state_dict().values()):
         assert torch.equal(a, b), name
+    # resuming from it continues the run (a new generation, low phase first)
+    cfg.max_steps = 6
+    resumed = recording(LoptiGRPOTrainer)(
+        model=str(start), reward_funcs=[kk_reward], args=cfg, train_dataset=kk_dataset(8), processing_class=tok
+    )
+    resumed.recorded = []
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 6
+    assert [r["lopti_phase"] for r in resumed.recorded] == [0, 1]
 
 
 @pytest.mark.parametrize(
