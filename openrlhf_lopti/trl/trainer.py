@@ -24,7 +24,9 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   ``mask.sum()`` for bnpo, ``num_items_in_batch`` for dapo, the constant of dr_grpo), as our other trainers
   do: the two phases together weigh each token as one plain pass does. Per phase:
   ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``. One optimizer step count of the
-  Trainer covers half as many generations as without Lopti (``max_steps`` counts optimizer steps).
+  Trainer covers half as many generations as without Lopti (``max_steps`` counts optimizer steps). Resuming
+  from a checkpoint generates a new batch, as TRL does (its buffered batch is not saved), and starts with its
+  low phase: a checkpoint taken between the two phases of a batch loses that batch's high phase.
 - ``fused_loss`` (default True): ``_compute_loss`` takes the model's logits of the completion (in the model's
   dtype, no fp32 ``[N, V]`` copy) and runs ``fused_policy_loss`` on the trained tokens only; ``fused_lm_head``
   runs ``fused_linear_policy_loss`` on the backbone's last hidden states and the output layer instead, so no
