@@ -1,7 +1,8 @@
 """``openrlhf_lopti.trl``: ``LoptiGRPOTrainer`` on TRL 1.16's real ``GRPOTrainer`` (transformers generation, CPU).
 
 - One Lopti + AR round (two phases, gradient accumulation, SGD) gives the parameters of the same round written
-  out by hand on the batch the trainer generated, for each TRL loss type's normalisation.
+  out by hand on the batch the trainer generated, for each TRL loss type's normalisation, and our local
+  trainer's ``update_policy`` on the same tokens and advantages gives it too.
 - With AR and Lopti off, our fused-loss path gives TRL's own ``GRPOTrainer``'s update on the same seed.
 - A short K&K run with ``kk_reward`` logs the metrics and saves a checkpoint that reloads.
 - What cannot be honoured is refused at construction with one line naming the option.
