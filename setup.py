@@ -76,6 +76,8 @@ setup(
         # pins transformers==5.15.0 exactly: the GPU extra stays on vllm 0.29.0 (see README "Install").
         "gpu": ["flash-attn==2.8.3", "vllm==0.29.0"],
         "dev": ["pytest", "pytest-timeout", "hypothesis"],
+        # openrlhf_lopti.trl (LoptiGRPOTrainer); TRL 1.16.0 runs on the same transformers pin as the rest.
+        "trl": ["trl==1.16.0"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from openrlhf_lopti.errors import check_model_dir
+from openrlhf_lopti.models import lm_head_parts  # noqa: F401 - moved below local/, openrlhf/ and trl/
 
 from .task import COMPACT_WORDS
 
@@ -84,31 +85,6 @@ def build_tiny_llama(
 
 # Config fields of HF models whose logits are not just lm_head(hidden) (Gemma 2's soft cap, Cohere's and
 # Granite's scales): the fused lm_head would silently compute other logits, so it refuses them.
-_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
-
-
-def lm_head_parts(model) -> tuple:
-    """``(weight [V, H], bias [V] or None)`` of a causal LM's output layer, for ``--fused-lm-head``.
-
-    With tied embeddings the weight IS the input embedding (the same parameter), so the loss's gradient
-    reaches it exactly as through the model's own lm_head.
-
-    Raises:
-        ValueError: the output layer is not a linear layer, or the model transforms its logits after it.
-    """
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        raise ValueError(f"fused_lm_head needs a torch.nn.Linear output layer, got {type(head).__name__}")
-    for name, neutral in _LOGIT_TRANSFORMS.items():
-        value = getattr(model.config, name, None)
-        if value is not None and value != neutral:
-            raise ValueError(
-                f"fused_lm_head does not support models that transform their logits ({name}={value!r}); "
-                "run without --fused-lm-head"
-            )
-    return head.weight, head.bias
-
-
 def quiet_transformers() -> None:
     """Hide transformers' per-file progress bars ("Loading weights", "Writing model shards") in our CLIs."""
     from transformers.utils import logging as hf_logging

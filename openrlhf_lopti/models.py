@@ -1,0 +1,30 @@
+"""Model helpers that more than one front end needs (local/, openrlhf/, trl/): below all of them, above nothing.
+
+Only torch is imported; the model is any Hugging Face causal LM (``get_output_embeddings``, ``config``).
+"""
+
+import torch
+
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+
+
+def lm_head_parts(model) -> tuple:
+    """``(weight [V, H], bias [V] or None)`` of a causal LM's output layer, for ``--fused-lm-head``.
+
+    With tied embeddings the weight IS the input embedding (the same parameter), so the loss's gradient
+    reaches it exactly as through the model's own lm_head.
+
+    Raises:
+        ValueError: the output layer is not a linear layer, or the model transforms its logits after it.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"fused_lm_head needs a torch.nn.Linear output layer, got {type(head).__name__}")
+    for name, neutral in _LOGIT_TRANSFORMS.items():
+        value = getattr(model.config, name, None)
+        if value is not None and value != neutral:
+            raise ValueError(
+                f"fused_lm_head does not support models that transform their logits ({name}={value!r}); "
+                "run without --fused-lm-head"
+            )
+    return head.weight, head.bias

@@ -1,0 +1,127 @@
+"""``LoptiGRPOConfig``: TRL's ``GRPOConfig`` plus the options of AR, Lopti and our fused loss kernels.
+
+Every check is here, so a bad configuration fails when the config is built, with one line naming the option.
+:func:`refusals` lists what TRL supports that ``LoptiGRPOTrainer`` cannot honour; the trainer runs it again
+with what only it knows (the model, the number of processes).
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from trl import GRPOConfig
+
+from openrlhf_lopti.algo import check_alpha, check_lopti_args
+from openrlhf_lopti.ops import BACKENDS
+
+# TRL loss types whose per-token term is the PPO clipped surrogate ``fused_policy_loss`` computes; they differ
+# only in how the per-token losses are normalised, and those normalisations are kept.
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+@dataclass
+class LoptiGRPOConfig(GRPOConfig):
+    """TRL's ``GRPOConfig`` with six more fields (see ``openrlhf_lopti.trl.trainer`` for what each changes).
+
+    Args:
+        ar_alpha: Advantage Reweighting strength in [0, 1] (paper Eq. 4; 0 = off, the paper's K&K value 0.3).
+        lopti_eta: Lopti's probability threshold in (0, 1] (paper: 0.5), or None for no Lopti.
+        lopti_order: ``"low_first"`` (Lopti) or ``"high_first"`` (the paper's ablation, which collapses).
+        lopti_quantile: if set, in (0, 1): the threshold is this quantile of the generation batch's token
+            probabilities (per process), instead of ``lopti_eta``; it turns Lopti on by itself.
+        fused_loss: compute the per-token loss with ``openrlhf_lopti.ops.fused_policy_loss`` (needed by AR and
+            Lopti). False with AR and Lopti off runs TRL's own loss, untouched.
+        fused_lm_head: with ``fused_loss``: ``fused_linear_policy_loss`` on the last hidden states and the
+            output layer, so the ``[N, V]`` logits are never made (one process only).
+        loss_backend: the kernels' backend, one of ``openrlhf_lopti.ops.BACKENDS`` (``"auto"``: triton on CUDA,
+            the C++ kernel on CPU when built, else torch).
+    """
+
+    ar_alpha: float = field(default=0.0, metadata={"help": "Advantage Reweighting alpha in [0, 1]; 0 is off."})
+    lopti_eta: Optional[float] = field(
+        default=None, metadata={"help": "Lopti threshold eta in (0, 1] on the old probability; None is off."}
+    )
+    lopti_order: str = field(default="low_first", metadata={"help": "'low_first' (Lopti) or 'high_first'."})
+    lopti_quantile: Optional[float] = field(
+        default=None, metadata={"help": "Threshold = this quantile of the batch's token probabilities."}
+    )
+    fused_loss: bool = field(default=True, metadata={"help": "Per-token loss through fused_policy_loss."})
+    fused_lm_head: bool = field(default=False, metadata={"help": "Loss through fused_linear_policy_loss."})
+    loss_backend: str = field(default="auto", metadata={"help": "Kernel backend: auto, triton, cpp or torch."})
+
+    @property
+    def lopti(self) -> bool:
+        """Whether Lopti's two phases run (``lopti_eta`` or ``lopti_quantile`` set)."""
+        return self.lopti_eta is not None or self.lopti_quantile is not None
+
+    def __post_init__(self):
+        super().__post_init__()
+        try:
+            self.ar_alpha = check_alpha(self.ar_alpha)
+        except ValueError as error:
+            raise ValueError(f"ar_alpha: {error}") from None
+        if self.lopti:
+            eta = 0.5 if self.lopti_eta is None else self.lopti_eta
+            try:
+                check_lopti_args(eta, self.lopti_order, self.lopti_quantile)
+            except ValueError as error:
+                raise ValueError(f"lopti_{str(error).split()[0]}: {error}") from None
+        elif self.lopti_order not in ("low_first", "high_first"):
+            raise ValueError(f"lopti_order must be 'low_first' or 'high_first', got {self.lopti_order!r}")
+        if self.loss_backend not in BACKENDS:
+            raise ValueError(f"loss_backend must be one of {BACKENDS}, got {self.loss_backend!r}")
+        problems = refusals(self, num_processes=self.world_size)
+        if problems:
+            raise ValueError(problems[0])
+
+
+def refusals(args: LoptiGRPOConfig, num_processes: int = 1, peft: bool = False, multimodal: bool = False) -> list:
+    """One line per TRL option set in ``args`` that ``LoptiGRPOTrainer`` cannot honour (empty: all fine).
+
+    Args:
+        args: the configuration.
+        num_processes: training processes (``accelerator.num_processes``).
+        peft: the model is a PEFT model.
+        multimodal: the processing class is a multimodal processor.
+    """
+    out = []
+    method = args.ar_alpha != 0 or args.lopti
+    if not args.fused_loss:
+        if method:
+            out.append("ar_alpha / lopti_eta / lopti_quantile need fused_loss=True (fused_loss=False is TRL's own loss)")
+        if args.fused_lm_head:
+            out.append("fused_lm_head=True needs fused_loss=True")
+        return out  # TRL's loss runs untouched: everything TRL supports is supported
+    if args.loss_type not in CLIPPED_LOSS_TYPES:
+        out.append(
+            f"loss_type={args.loss_type!r} is not the PPO clipped surrogate fused_policy_loss computes; "
+            f"use one of {CLIPPED_LOSS_TYPES} or fused_loss=False"
+        )
+    if args.importance_sampling_level != "token":
+        out.append(
+            f"importance_sampling_level={args.importance_sampling_level!r}: the kernel's ratio is per token, and a "
+            "sequence ratio mixes the tokens AR weighs and Lopti separates; use 'token'"
+        )
+    if args.delta is not None:
+        out.append("delta (two-sided clipping) is not in fused_policy_loss; leave delta=None")
+    if args.off_policy_mask_threshold is not None:
+        out.append("off_policy_mask_threshold needs every token's log-prob of a sequence in one pass; leave it None")
+    if args.use_adaptive_entropy:
+        out.append("use_adaptive_entropy is not supported; a fixed entropy_coef is")
+    if args.top_entropy_quantile < 1.0 and args.lopti:
+        out.append("top_entropy_quantile < 1 with Lopti: two token selections on top of each other; use one")
+    if multimodal:
+        out.append("multimodal models are not supported (the loss sees text tokens only)")
+    if args.fused_lm_head:
+        if num_processes > 1:
+            out.append("fused_lm_head=True runs on one process only (it calls the backbone outside DDP/FSDP)")
+        if args.cast_lm_head_to_fp32:
+            out.append("fused_lm_head=True with cast_lm_head_to_fp32=True: the kernel takes the model's dtype")
+        if peft:
+            out.append("fused_lm_head=True with a PEFT model is not supported")
+    if args.lopti and (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps:
+        out.append(
+            f"Lopti needs steps_per_generation x num_iterations ({args.steps_per_generation} x {args.num_iterations})"
+            f" to be a multiple of gradient_accumulation_steps ({args.gradient_accumulation_steps}), so that each "
+            "phase ends on an optimizer step"
+        )
+    return out

@@ -1,0 +1,313 @@
+"""``LoptiGRPOTrainer``: TRL 1.16's ``GRPOTrainer`` with Advantage Reweighting, Lopti and our fused loss kernels.
+
+A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``LoptiGRPOConfig`` and sets
+``ar_alpha`` and / or ``lopti_eta``. What each option changes, and where (the math is ``openrlhf_lopti.algo`` /
+``openrlhf_lopti.ops``, the same functions our OpenRLHF and local trainers call):
+
+- The anchor. ``old_per_token_logps``: the log-probs of the sampled tokens under the training model as it was
+  when the batch was generated (temperature applied), computed by TRL's own ``_get_per_token_logps_and_entropies``
+  under ``no_grad`` in ``_generate_and_score_completions``, before any update on the batch. TRL skips them in the
+  on-policy case (``num_iterations == 1`` and the generation batch within one optimizer step) and uses the
+  current log-probs detached instead; with ``fused_loss`` this trainer always computes them (one extra forward
+  per generation batch in that case), because Lopti's second phase runs on weights the first phase moved. With
+  vLLM they are still the training model's (vLLM's own are ``sampling_per_token_logps``, used by TRL's
+  importance-sampling correction only). They are the PPO anchor, AR's ``p`` and Lopti's threshold variable.
+- ``ar_alpha``: the ``alpha`` of ``fused_policy_loss``: each token's advantage times
+  ``alpha * exp(old_per_token_logps) + 1 - alpha`` (``algo.ar_weight``). Logged as ``ar/mean_weight``.
+- ``lopti_eta`` / ``lopti_order`` / ``lopti_quantile``: ``algo.lopti_phases`` on ``old_per_token_logps`` and the
+  loss mask of the whole generation batch, once per generation (``lopti/low_token_frac``, ``lopti/threshold``).
+  The generation batch is then trained twice (``_prepare_inputs``, ``_get_train_sampler``): first on the low
+  tokens, each phase a full pass of TRL's ``steps_per_generation x num_iterations`` micro-steps with its
+  gradient accumulation and optimizer steps; then on the high tokens, whose forward runs on the weights the
+  low phase left. In a phase the other tokens are out of the loss (no surrogate, KL or entropy term), while
+  every normalisation of TRL's ``loss_type`` keeps counting all response tokens (``mask.sum(-1)`` for grpo,
+  ``mask.sum()`` for bnpo, ``num_items_in_batch`` for dapo, the constant of dr_grpo), as our other trainers
+  do: the two phases together weigh each token as one plain pass does. Per phase:
+  ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``. One optimizer step count of the
+  Trainer covers half as many generations as without Lopti (``max_steps`` counts optimizer steps). Resuming
+  from a checkpoint generates a new batch, as TRL does (its buffered batch is not saved), and starts with its
+  low phase: a checkpoint taken between the two phases of a batch loses that batch's high phase.
+- ``fused_loss`` (default True): ``_compute_loss`` takes the model's logits of the completion (in the model's
+  dtype, no fp32 ``[N, V]`` copy) and runs ``fused_policy_loss`` on the trained tokens only; ``fused_lm_head``
+  runs ``fused_linear_policy_loss`` on the backbone's last hidden states and the output layer instead, so no
+  logits exist. KL is TRL's k3 (clamped to [-10, 10] like OpenRLHF's, as our kernels do); the log ratio is
+  clamped to +-20 before ``exp``. TRL's metrics keep their names (``entropy``, ``kl``, ``clip_ratio/*_mean``).
+
+Refused at construction with one line (``config.refusals``): loss types that are not the clipped surrogate
+(cispo, sapo, vespo), sequence-level importance sampling, ``delta``, ``off_policy_mask_threshold``,
+``use_adaptive_entropy``, an entropy mask together with Lopti, multimodal models, and ``fused_lm_head`` on
+more than one process / with PEFT / with ``cast_lm_head_to_fp32``. With ``fused_loss=False`` and AR and Lopti
+off, this is TRL's trainer unchanged.
+"""
+
+from typing import Any, Optional
+
+import torch
+from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import (
+    shuffle_sequence_dict,
+    split_pixel_values_by_grid,
+    split_tensor_dict,
+    unsplit_pixel_values_by_grid,
+)
+
+from openrlhf_lopti.algo import approx_kl, ar_weight, lopti_phases
+from openrlhf_lopti.algo.lopti import quantile_threshold
+from openrlhf_lopti.models import lm_head_parts
+from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss
+
+from .config import LoptiGRPOConfig, refusals
+
+PHASE_NAMES = {"low_first": ("low", "high"), "high_first": ("high", "low")}
+PHASE_KEYS = ("lopti_phase_1", "lopti_phase_2")  # [B, T] bool masks in update order, in the generation batch
+
+
+class LoptiGRPOTrainer(GRPOTrainer):
+    """TRL's ``GRPOTrainer`` with AR, Lopti and the fused loss kernels (module docstring: what changes where).
+
+    Takes TRL's arguments; ``args`` must be a :class:`LoptiGRPOConfig`.
+
+    Raises:
+        ValueError: ``args`` is not a ``LoptiGRPOConfig``, or it asks for something this trainer cannot honour
+            (one line, naming the option).
+    """
+
+    def __init__(self, *args_, args: Optional[LoptiGRPOConfig] = None, **kwargs):
+        if not isinstance(args, LoptiGRPOConfig):
+            raise ValueError(f"args must be a LoptiGRPOConfig, got {type(args).__name__}")
+        super().__init__(*args_, args=args, **kwargs)
+        from accelerate.utils import is_peft_model
+        from transformers import ProcessorMixin
+
+        problems = refusals(
+            args,
+            num_processes=self.accelerator.num_processes,
+            peft=is_peft_model(self.model),
+            multimodal=isinstance(self.processing_class, ProcessorMixin),
+        )
+        if self.args.fused_loss and self.aux_loss_enabled:
+            problems.append("the MoE router aux loss (router_aux_loss_coef != 0) is not wired into fused_loss")
+        if problems:
+            raise ValueError(problems[0])
+        if args.fused_loss and args.fused_lm_head:
+            lm_head_parts(self.accelerator.unwrap_model(self.model))  # raises now for a head it cannot fuse
+
+    # ---- Lopti: each generation batch trained twice, low tokens first ----
+
+    def _get_train_sampler(self, dataset=None):
+        """TRL's ``RepeatSampler``, each generation batch repeated twice as often with Lopti (one pass per phase)."""
+        sampler = super()._get_train_sampler(dataset)
+        if self.args.lopti:
+            sampler.repeat_count *= 2
+        return sampler
+
+    def _phase_cycle(self) -> int:
+        """Micro-steps of one phase: TRL's ``steps_per_generation x num_iterations``."""
+        return self.args.steps_per_generation * self.num_iterations
+
+    def _prepare_inputs(self, generation_batch: dict) -> dict:
+        """TRL's ``_prepare_inputs``; with Lopti in training, the buffered batch serves two phases in a row and
+        each micro-batch carries its phase's token mask as ``lopti_phase_mask`` (and its index as ``lopti_phase``)."""
+        if not (self.args.lopti and self.model.training):
+            return super()._prepare_inputs(generation_batch)
+        cycle = self._phase_cycle()
+        spg = self.args.steps_per_generation
+        if self._step % (2 * cycle) == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            batch = shuffle_sequence_dict(split_pixel_values_by_grid(batch))
+            self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in split_tensor_dict(batch, spg)]
+        inputs = dict(self._buffered_inputs[self._step % spg])
+        phase = (self._step % (2 * cycle)) // cycle
+        inputs["lopti_phase"] = phase
+        inputs["lopti_phase_mask"] = inputs[PHASE_KEYS[phase]]
+        return inputs
+
+    def _generate_and_score_completions(self, inputs: list) -> dict:
+        """TRL's generation and scoring, plus ``old_per_token_logps`` always (fused loss) and the Lopti phase masks.
+
+        Adds ``lopti_phase_1`` / ``lopti_phase_2`` (``[B, T]`` bool, update order) in training with Lopti.
+        """
+        output = super()._generate_and_score_completions(inputs)
+        if not self.args.fused_loss:
+            return output
+        mode = "train" if self.model.training else "eval"
+        mask = self._loss_mask(output).bool()
+        if output.get("old_per_token_logps") is None:
+            ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+            with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                old, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, ids, attention, output["completion_ids"].size(1), batch_size=batch_size
+                )
+            output["old_per_token_logps"] = old
+        old = output["old_per_token_logps"]
+        tokens = mask.sum().clamp(min=1)
+        if self.args.ar_alpha != 0:
+            weight = ar_weight(old, self.args.ar_alpha)
+            self._metrics[mode]["ar/mean_weight"].append(float((weight * mask).sum() / tokens))
+        if self.args.lopti and mode == "train":
+            eta = 0.5 if self.args.lopti_eta is None else self.args.lopti_eta
+            phases = lopti_phases(old, mask, eta, self.args.lopti_order, self.args.lopti_quantile)
+            output[PHASE_KEYS[0]], output[PHASE_KEYS[1]] = phases
+            low = phases[0] if self.args.lopti_order == "low_first" else phases[1]
+            threshold = eta
+            if self.args.lopti_quantile is not None and bool(mask.any()):
+                threshold = quantile_threshold(old.detach().float().exp()[mask], self.args.lopti_quantile)
+            self._metrics[mode]["lopti/low_token_frac"].append(float(low.sum() / tokens))
+            self._metrics[mode]["lopti/threshold"].append(float(threshold))
+        return output
+
+    # ---- the loss ----
+
+    @staticmethod
+    def _loss_mask(inputs: dict) -> torch.Tensor:
+        """``[B, T]`` TRL's loss mask: the completion mask, times the tool mask of multi-turn rollouts."""
+        mask = inputs["completion_mask"]
+        return mask if inputs.get("tool_mask") is None else mask * inputs["tool_mask"]
+
+    def _completion_outputs(self, model, inputs: dict, rows: torch.Tensor) -> tuple:
+        """``(kind, tensor)``: the completion's ``[N, V]`` logits on ``rows`` (``[B, T]`` bool), or with
+        ``fused_lm_head`` its ``[N, H]`` last hidden states; in the model's dtype, under TRL's autocast."""
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        t = inputs["completion_ids"].size(1)
+        with self.accelerator.autocast():
+            if self.args.fused_lm_head:
+                backbone = self.accelerator.unwrap_model(model).get_decoder()
+                hidden = backbone(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
+                return "hidden", hidden[:, -t - 1 : -1][rows]
+            logits = model(input_ids=ids, attention_mask=attention, logits_to_keep=t + 1, use_cache=False).logits
+            return "logits", logits[:, :-1][rows]
+
+    def _compute_loss(self, model, inputs: dict) -> torch.Tensor:
+        """TRL's loss with the per-token term from ``fused_policy_loss`` (or ``fused_linear_policy_loss``),
+        restricted to the Lopti phase's tokens when one is running; TRL's ``loss_type`` normalisation over all
+        response tokens. Falls back to TRL's own ``_compute_loss`` with ``fused_loss=False``."""
+        if not self.args.fused_loss:
+            return super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        mask = self._loss_mask(inputs)  # [B, T] 0/1
+        keep = mask.bool()
+        phase_mask = inputs.get("lopti_phase_mask")
+        rows = keep if phase_mask is None else keep & phase_mask  # [B, T]: the tokens this micro-step trains
+        b, t = keep.shape
+        advantages = inputs["advantages"]
+        advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).expand(b, t)
+        old = inputs["old_per_token_logps"]
+        labels = inputs["completion_ids"][rows]
+        is_ratio = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            is_ratio = inputs["importance_sampling_ratio"].expand(b, t)[rows]
+        separate_kl = is_ratio is not None or self.args.use_bias_correction_kl  # the KL term not folded in the kernel
+        ref = inputs["ref_per_token_logps"][rows] if self.beta != 0.0 else None
+        options = dict(
+            ref_log_probs=None if separate_kl else ref,
+            alpha=self.args.ar_alpha,
+            eps_low=self.epsilon_low,
+            eps_high=self.epsilon_high,
+            kl_coef=0.0 if separate_kl else self.beta,
+            kl_estimator="k3",
+            temperature=self.temperature,
+            return_entropy=True,
+            backend=self.args.loss_backend,
+        )
+        per_token = (labels, old[rows], advantages[rows], torch.ones_like(labels, dtype=torch.bool))
+        kind, source = self._completion_outputs(model, inputs, rows)
+        if kind == "hidden":
+            weight, bias = lm_head_parts(self.accelerator.unwrap_model(model))
+            # autocast may hand back the backbone's output in another dtype than the head's weight
+            out = fused_linear_policy_loss(source.to(weight.dtype), weight, *per_token, bias=bias, **options)
+        else:
+            out = fused_policy_loss(source, *per_token, **options)
+
+        loss_rows = out.loss  # [N]: clipped surrogate (AR-weighted), + beta * KL when folded in
+        if is_ratio is not None:
+            loss_rows = loss_rows * is_ratio
+        kl_rows = None
+        if self.beta != 0.0:
+            if separate_kl:
+                kl_rows = approx_kl(out.logp, ref, "k3")
+                if self.args.use_bias_correction_kl:
+                    kl_rows = kl_rows * torch.exp(out.logp - old[rows].float())
+                loss_rows = loss_rows + self.beta * kl_rows
+            else:
+                kl_rows = out.kl
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:  # refused with Lopti: here rows == keep
+            entropy_full = out.entropy.detach().new_zeros(b, t).masked_scatter(rows, out.entropy.detach())
+            entropy_mask = self.get_high_entropy_mask(entropy_full, mask, 1 - self.top_entropy_quantile)[rows]
+            loss_rows = loss_rows * entropy_mask
+        per_token_loss = loss_rows.new_zeros(b, t).masked_scatter(rows, loss_rows)  # 0 outside the phase
+
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        if self.loss_type == "grpo":
+            loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / normalizer
+        elif self.loss_type == "bnpo":
+            loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / normalizer
+        elif self.loss_type == "dr_grpo":
+            loss = (per_token_loss * mask).sum() / (b * self.max_completion_length) / normalizer
+        elif self.loss_type == "dapo":
+            items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                items = items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            loss = (per_token_loss * mask).sum() / items
+        else:  # luspo (config.CLIPPED_LOSS_TYPES)
+            loss = (per_token_loss * mask).sum(-1).mean() / normalizer
+        policy_loss = (loss * (normalizer if self.loss_type != "dapo" else 1.0)).detach()
+
+        if self._entropy_bonus_enabled:  # a fixed entropy_coef (adaptive is refused)
+            # TRL's mean entropy over the tokens it acts on; with Lopti each phase adds its tokens' share.
+            acting = keep if entropy_mask is None else rows.new_zeros(b, t).masked_scatter(rows, entropy_mask.bool())
+            entropy_rows = out.entropy if entropy_mask is None else out.entropy * entropy_mask
+            loss = loss - self.entropy_coef * entropy_rows.sum() / acting.sum().clamp(min=1) / normalizer
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+
+        self._log_loss_metrics(mode, inputs, out, rows, old, advantages, kl_rows, policy_loss)
+        return loss
+
+    def _log_loss_metrics(self, mode, inputs, out, rows, old, advantages, kl_rows, policy_loss) -> None:
+        """TRL's ``entropy``, ``kl`` and ``clip_ratio/*_mean`` over the trained tokens; per Lopti phase also
+        ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``."""
+
+        def global_mean(values: torch.Tensor) -> float:
+            totals = torch.stack([values.detach().float().sum(), values.new_tensor(float(values.numel()))])
+            totals = self.accelerator.reduce(totals, reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        adv = advantages[rows]
+        ratio = torch.exp(out.logp.detach() - old[rows].float())
+        low = (ratio < 1 - self.epsilon_low) & (adv < 0)
+        high = (ratio > 1 + self.epsilon_high) & (adv > 0)
+        self._metrics[mode]["entropy"].append(global_mean(out.entropy))
+        if kl_rows is not None:
+            self._metrics[mode]["kl"].append(global_mean(kl_rows))
+        self._metrics[mode]["clip_ratio/low_mean"].append(global_mean(low.float()))
+        self._metrics[mode]["clip_ratio/high_mean"].append(global_mean(high.float()))
+        self._metrics[mode]["clip_ratio/region_mean"].append(global_mean((low | high).float()))
+        if "lopti_phase" in inputs:
+            name = PHASE_NAMES[self.args.lopti_order][inputs["lopti_phase"]]
+            self._metrics[mode][f"lopti/{name}/policy_loss"].append(self.accelerator.gather(policy_loss).mean().item())
+            self._metrics[mode][f"lopti/{name}/clip_ratio"].append(global_mean(out.clipped.float()))
+
+
+def kk_reward(prompts: list, completions: list, label: list, **kwargs: Any) -> list:
+    """TRL reward function for Knights and Knaves: ``tasks.reward_kk``'s paper rule, one float per completion.
+
+    Args:
+        prompts: the prompts (strings; a conversational prompt's last message is used).
+        completions: the completions (strings, or conversational ``[{"role", "content"}]`` lists).
+        label: per completion, the puzzle's ``solution_text_format`` (a dataset column named ``label``).
+
+    Returns:
+        Rewards in [-3, 3]: format +1/-1 plus answer +2/-1.5/-2 (PAPER_NOTES.md section 6).
+    """
+    from openrlhf_lopti.tasks.reward_kk import reward_func
+
+    def text(x) -> str:
+        return x if isinstance(x, str) else x[-1]["content"]
+
+    prompt_texts = [text(p) for p in prompts]
+    queries = [p + text(c) for p, c in zip(prompt_texts, completions)]
+    return reward_func(queries, prompt_texts, list(label))["rewards"].tolist()

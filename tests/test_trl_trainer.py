@@ -1,0 +1,418 @@
+"""``openrlhf_lopti.trl``: ``LoptiGRPOTrainer`` on TRL 1.16's real ``GRPOTrainer`` (transformers generation, CPU).
+
+- One Lopti + AR round (two phases, gradient accumulation, SGD) gives the parameters of the same round written
+  out by hand on the batch the trainer generated, for each TRL loss type's normalisation, and our local
+  trainer's ``update_policy`` on the same tokens and advantages gives it too.
+- With AR and Lopti off, our fused-loss path gives TRL's own ``GRPOTrainer``'s update on the same seed.
+- A short K&K run with ``kk_reward`` logs the metrics and saves a checkpoint that reloads.
+- What cannot be honoured is refused at construction with one line naming the option.
+
+"Same parameters" is checked against a float64 run of the hand-written round: the trainer's fp32 result may be
+at most a few times further from it than the hand-written round's own fp32 run is (tests/numerics.py).
+"""
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer  # noqa: E402
+from openrlhf_lopti.local.task import compact_prompt, puzzles  # noqa: E402
+from openrlhf_lopti.trl import LoptiGRPOConfig, LoptiGRPOTrainer, kk_reward  # noqa: E402
+
+from .numerics import ACCURACY_RATIO, U32, ULPS_FLOOR  # noqa: E402
+
+LR = 0.1
+
+
+def tiny_model(tok):
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaked logits: token probabilities on both sides of eta = 0.5
+    return model
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_word_tokenizer()
+
+
+def kk_dataset(n: int = 4) -> Dataset:
+    records = puzzles(0, 0, n, [2])
+    return Dataset.from_list([{"prompt": compact_prompt(r), "label": r["solution_text_format"]} for r in records])
+
+
+def settings(tmp_path, **kw) -> dict:
+    base = dict(
+        output_dir=str(tmp_path), use_cpu=True, seed=0, report_to="none", logging_steps=1, save_strategy="no",
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, temperature=1.0,
+        gradient_accumulation_steps=2, steps_per_generation=2, max_steps=1, learning_rate=LR, optim="sgd",
+        lr_scheduler_type="constant", max_grad_norm=0.0, beta=0.0, epsilon=0.2, epsilon_high=0.28,
+        loss_backend="torch", bf16=False,  # TRL's default bf16=True is a bf16 autocast on CPU too
+    )  # fmt: skip
+    return {**base, **kw}
+
+
+def distinct_words(prompts: list, completions: list, **kwargs) -> list:
+    """A reward that varies between the random model's completions (K&K's is -3 for all of them): nonzero
+    advantages for the update comparisons."""
+    return [float(len(set(c.split()))) for c in completions]
+
+
+def recording(cls):
+    """``cls`` (TRL's trainer or ours) recording the inputs of every ``_compute_loss`` call, in order."""
+
+    class Recording(cls):
+        def _compute_loss(self, model, inputs):
+            self.recorded.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+            return super()._compute_loss(model, inputs)
+
+    return Recording
+
+
+def train(cls, config, tok, dataset=None, reward=distinct_words, model=None):
+    """``(initial state_dict, trainer after train(), recorded inputs)``; ``model`` defaults to the tiny Llama."""
+    trainer = recording(cls)(
+        model=tiny_model(tok) if model is None else model, reward_funcs=[reward], args=config, train_dataset=dataset or kk_dataset(),
+        processing_class=tok,
+    )  # fmt: skip
+    trainer.recorded = []
+    initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    return initial, trainer, trainer.recorded
+
+
+def hand_round(tok, initial, recorded, cfg, dtype, denominators="all", beta=None):
+    """The round the recorded micro-batches define, written out in plain torch: per micro-batch the clipped
+    surrogate of paper Eq. 1 with the AR weight of Eq. 4, on the micro-batch's Lopti phase tokens, normalised as
+    TRL's ``cfg.loss_type`` does over every response token (``denominators="phase"``: over the phase's tokens,
+    the planted bug), plus ``beta`` (default ``cfg.beta``) times the k3 KL to the recorded reference log-probs
+    (times the ratio with TRL's ``use_bias_correction_kl``), minus TRL's entropy bonus;
+    ``cfg.gradient_accumulation_steps`` micro-batches per SGD step. Returns the parameters."""
+    beta = cfg.beta if beta is None else beta
+    model = tiny_model(tok)
+    model.load_state_dict(initial)
+    model = model.to(dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ga, alpha = cfg.gradient_accumulation_steps, cfg.ar_alpha
+    phase_items = {}
+    for inp in recorded:  # the phase's tokens in the generation batch, for the planted "phase" dapo denominator
+        key = inp.get("lopti_phase", 0)
+        phase_items[key] = phase_items.get(key, 0) + float(inp.get("lopti_phase_mask", inp["completion_mask"]).sum())
+    for start in range(0, len(recorded), ga):
+        for p in params:
+            p.grad = None
+        for inp in recorded[start : start + ga]:
+            ids = torch.cat([inp["prompt_ids"], inp["completion_ids"]], 1)
+            attention = torch.cat([inp["prompt_mask"], inp["completion_mask"]], 1)
+            t = inp["completion_ids"].size(1)
+            logits = model(input_ids=ids, attention_mask=attention).logits[:, -t - 1 : -1].to(dtype)
+            logp = torch.log_softmax(logits / cfg.temperature, -1).gather(-1, inp["completion_ids"][..., None])[..., 0]
+            old = inp["old_per_token_logps"].to(dtype)
+            mask = inp["completion_mask"].to(dtype)
+            phase = inp["lopti_phase_mask"].to(dtype) * mask if "lopti_phase_mask" in inp else mask
+            adv = inp["advantages"].to(dtype)[:, None] * (alpha * old.exp() + 1 - alpha)
+            ratio = (logp - old).exp()
+            eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+            per_token = -torch.min(ratio * adv, ratio.clamp(1 - cfg.epsilon, 1 + eps_high) * adv)
+            if beta:
+                ref = inp["ref_per_token_logps"].to(dtype)
+                kl = (ref - logp).exp() - (ref - logp) - 1
+                per_token = per_token + beta * (kl * ratio if cfg.use_bias_correction_kl else kl)
+            per_token = per_token * phase
+            norm = mask if denominators == "all" else phase
+            if cfg.loss_type == "grpo":
+                loss = ((per_token * norm).sum(-1) / norm.sum(-1).clamp(min=1)).mean() / ga
+            elif cfg.loss_type == "bnpo":
+                loss = (per_token * norm).sum() / norm.sum().clamp(min=1) / ga
+            elif cfg.loss_type == "dr_grpo":
+                loss = per_token.sum() / (per_token.size(0) * cfg.max_completion_length) / ga
+            else:  # dapo: tokens of the generation batch, per optimizer step
+                items = float(inp["num_items_in_batch"]) if denominators == "all" else phase_items[inp.get("lopti_phase", 0)]
+                loss = per_token.sum() / (items * ga / cfg.steps_per_generation)
+            if cfg.entropy_coef:  # TRL's bonus: mean entropy over the response tokens, per accumulation step
+                probs = torch.softmax(logits / cfg.temperature, -1)
+                entropy = -(probs * torch.log_softmax(logits / cfg.temperature, -1)).sum(-1)
+                loss = loss - cfg.entropy_coef * (entropy * phase).sum() / mask.sum().clamp(min=1) / ga
+            loss.backward()
+        with torch.no_grad():
+            for p in params:
+                p -= LR * p.grad
+    return [p.detach() for p in params]
+
+
+def update_errors(initial, ours, ref32, ref64) -> list:
+    """Per parameter: ``(err_ours, err_ref, allowed)``, errors of the fp32 updates against the float64 hand
+    round's update, relative to its largest entry (tests/numerics.py's precision rule: ``allowed`` is
+    ``ACCURACY_RATIO x err_ref + ULPS_FLOOR x U32``)."""
+    out = []
+    for p0, a, b, c in zip(initial, ours, ref32, ref64):
+        d64 = c - p0.double()
+        scale = max(d64.abs().max().item(), torch.finfo(torch.float32).tiny)
+        err_a = (a.double() - c).abs().max().item() / scale
+        err_b = (b.double() - c).abs().max().item() / scale
+        out.append((err_a, err_b, ACCURACY_RATIO * err_b + ULPS_FLOOR * U32))
+    return out
+
+
+def trained_params(trainer):
+    return [p.detach() for p in trainer.model.parameters() if p.requires_grad]
+
+
+def initial_params(tok, initial):
+    model = tiny_model(tok)
+    model.load_state_dict(initial)
+    return [p.detach() for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize(
+    "loss_type, fused_lm_head, iterations",
+    [("dapo", False, 1), ("grpo", True, 1), ("bnpo", False, 1), ("dr_grpo", False, 1), ("dapo", False, 2)],
+)
+def test_lopti_ar_round_matches_hand_written(tmp_path, tok, loss_type, fused_lm_head, iterations):
+    cfg = LoptiGRPOConfig(
+        **settings(tmp_path, loss_type=loss_type, max_steps=2 * iterations, ar_alpha=0.3, lopti_eta=0.5,
+                   fused_lm_head=fused_lm_head, num_iterations=iterations)  # fmt: skip
+    )
+    initial, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok)
+    # one generation, two phases, each num_iterations x steps_per_generation micro-batches: optimizer steps of 2
+    per_phase = 2 * iterations
+    assert [r["lopti_phase"] for r in recorded] == [0] * per_phase + [1] * per_phase
+    assert trainer.state.global_step == 2 * iterations
+    masks = [r["lopti_phase_mask"] & r["completion_mask"].bool() for r in recorded]
+    low = torch.cat([m.flatten() for m in masks[:2]]).sum()
+    high = torch.cat([m.flatten() for m in masks[per_phase : per_phase + 2]]).sum()
+    assert low > 0 and high > 0, "the batch must hold tokens of both phases"
+    assert all(bool(r["advantages"].abs().max() > 0) for r in recorded)
+    for i, r in enumerate(recorded):  # low phase: old probability below eta; high phase: at or above it
+        p_old = r["old_per_token_logps"].exp()[r["lopti_phase_mask"]]
+        assert bool((p_old < 0.5).all()) if i < per_phase else bool((p_old >= 0.5).all())
+    for a, b in zip(recorded[:2], recorded[per_phase : per_phase + 2]):  # the same micro-batch in both phases
+        assert torch.equal(a["completion_ids"], b["completion_ids"])
+        assert not bool((a["lopti_phase_mask"] & b["lopti_phase_mask"]).any())
+        assert torch.equal(a["lopti_phase_mask"] | b["lopti_phase_mask"], a["completion_mask"].bool())
+
+    p0 = initial_params(tok, initial)
+    ours = trained_params(trainer)
+    ref32 = hand_round(tok, initial, recorded, cfg, torch.float32)
+    ref64 = hand_round(tok, initial, recorded, cfg, torch.float64)
+    errors = update_errors(p0, ours, ref32, ref64)
+    for i, (err_ours, err_ref, allowed) in enumerate(errors):
+        assert err_ours <= allowed, f"param {i}: trainer's update off by {err_ours:.3g} (hand fp32 {err_ref:.3g})"
+    # the comparison sees a wrong denominator (the phase's own tokens, not every response token)
+    if loss_type != "dr_grpo":  # dr_grpo's denominator is a constant
+        bug64 = hand_round(tok, initial, recorded, cfg, torch.float64, denominators="phase")
+        bug_errors = update_errors(p0, ours, ref32, bug64)
+        assert any(bug[0] > right[2] for bug, right in zip(bug_errors, errors))
+    logged = {**trainer.state.log_history[-2], **trainer.state.log_history[0]}  # low phase first, then high
+    assert "lopti/high/policy_loss" not in trainer.state.log_history[0]
+    for key in ("lopti/low_token_frac", "lopti/threshold", "ar/mean_weight", "lopti/low/policy_loss",
+                "lopti/high/policy_loss", "lopti/low/clip_ratio", "entropy", "clip_ratio/region_mean"):  # fmt: skip
+        assert key in logged, key
+    assert logged["lopti/threshold"] == 0.5
+    assert abs(logged["lopti/low_token_frac"] - float(low / (low + high))) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),  # one optimizer step of 2 micro-batches: TRL's on-policy case (it skips the old log-probs)
+        # KL (TRL's default: times the ratio, outside our kernel); 2 optimizer steps per generated batch
+        dict(beta=0.1, loss_type="grpo", gradient_accumulation_steps=1, max_steps=2),
+        # KL inside the kernel (the paper's and OpenRLHF's k3 loss)
+        dict(beta=0.1, use_bias_correction_kl=False, loss_type="bnpo", gradient_accumulation_steps=1, max_steps=2),
+        dict(entropy_coef=0.05, loss_type="dr_grpo"),  # TRL's entropy bonus, from the kernel's entropy
+    ],
+)
+def test_off_equals_trl_grpo_trainer(tmp_path, tok, options):
+    start = tmp_path / "tiny"  # a path: TRL loads the KL reference model from it
+    tiny_model(tok).save_pretrained(start)
+    ours_cfg = LoptiGRPOConfig(**settings(tmp_path / "a", **options))
+    ours_initial, ours, ours_inputs = train(LoptiGRPOTrainer, ours_cfg, tok, model=str(start))
+    base = settings(tmp_path / "b", **options)
+    base.pop("loss_backend")
+    trl_initial, theirs, trl_inputs = train(GRPOTrainer, GRPOConfig(**base), tok, model=str(start))
+    assert all(torch.equal(ours_initial[k], trl_initial[k]) for k in ours_initial)
+    assert len(ours_inputs) == len(trl_inputs) == 2
+    for a, b in zip(ours_inputs, trl_inputs):  # the same seed gave the same batch
+        assert torch.equal(a["completion_ids"], b["completion_ids"])
+        assert torch.equal(a["advantages"], b["advantages"]) and bool(a["advantages"].abs().max() > 0)
+        if not options:
+            assert "old_per_token_logps" not in b  # TRL's on-policy case: ours computed the anchor anyway
+    cfg = ours.args
+    p0 = initial_params(tok, ours_initial)
+    ref32 = hand_round(tok, ours_initial, ours_inputs, cfg, torch.float32)
+    ref64 = hand_round(tok, ours_initial, ours_inputs, cfg, torch.float64)
+    for name, trainer in (("ours", ours), ("TRL", theirs)):
+        for i, (err, err_ref, allowed) in enumerate(update_errors(p0, trained_params(trainer), ref32, ref64)):
+            assert err <= allowed, f"{name} param {i}: update off by {err:.3g} (hand fp32 {err_ref:.3g})"
+    assert any((a - b).abs().max() > 0 for a, b in zip(trained_params(ours), p0)), "the step moved nothing"
+    if cfg.beta:  # the KL term is in both updates: the hand round without it is another update
+        no_kl64 = hand_round(tok, ours_initial, ours_inputs, cfg, torch.float64, beta=0.0)
+        errors = update_errors(p0, trained_params(ours), ref32, ref64)
+        assert any(bad[0] > right[2] for bad, right in zip(update_errors(p0, trained_params(ours), ref32, no_kl64), errors))
+
+
+def test_lopti_quantile_threshold(tmp_path, tok):
+    from openrlhf_lopti.algo.lopti import quantile_threshold
+
+    cfg = LoptiGRPOConfig(
+        **settings(tmp_path, max_steps=2, gradient_accumulation_steps=1, steps_per_generation=1, lopti_quantile=0.3)
+    )
+    _, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok)
+    assert [r["lopti_phase"] for r in recorded] == [0, 1]
+    mask = recorded[0]["completion_mask"].bool()
+    probs = recorded[0]["old_per_token_logps"].exp()[mask]
+    threshold = quantile_threshold(probs, 0.3)
+    logged = trainer.state.log_history[0]
+    assert logged["lopti/threshold"] == pytest.approx(threshold, rel=1e-6)
+    low = recorded[0]["lopti_phase_mask"]
+    assert torch.equal(low, mask & (recorded[0]["old_per_token_logps"].exp() < threshold))
+    assert logged["lopti/low_token_frac"] == pytest.approx(float(low.sum() / mask.sum()), rel=1e-6)
+
+
+def test_kk_run_checkpoint_and_metrics(tmp_path, tok):
+    from transformers import AutoModelForCausalLM
+
+    cfg = LoptiGRPOConfig(
+        **settings(tmp_path, max_steps=4, gradient_accumulation_steps=1, steps_per_generation=1, ar_alpha=0.3,
+                   lopti_eta=0.5, save_strategy="steps", save_steps=4, optim="adamw_torch", max_grad_norm=1.0,
+                   learning_rate=1e-3, beta=0.01, loss_backend="auto", bf16=True)  # fmt: skip
+    )
+    start = tmp_path / "tiny"  # a path, as a TRL user passes: TRL loads the reference model (beta != 0) from it
+    tiny_model(tok).save_pretrained(start)
+    tok.save_pretrained(start)
+    _, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok, kk_dataset(8), reward=kk_reward, model=str(start))
+    assert [r["lopti_phase"] for r in recorded] == [0, 1, 0, 1]  # two generations, two phases each
+    history = trainer.state.log_history
+    steps = [h for h in history if "loss" in h or "reward" in h]
+    assert len(steps) == 4
+    for key in ("reward", "kl", "entropy", "lopti/low_token_frac", "ar/mean_weight", "rewards/kk_reward/mean",
+                "lopti/threshold"):  # fmt: skip
+        assert any(key in h for h in steps), key
+    assert any("lopti/low/policy_loss" in h for h in steps) and any("lopti/high/policy_loss" in h for h in steps)
+    evaluation = trainer.evaluate(kk_dataset(4))  # eval: the fused loss on every response token, no phases
+    assert "eval_loss" in evaluation and "eval_reward" in evaluation and "eval_entropy" in evaluation
+    checkpoint = tmp_path / "checkpoint-4"
+    assert (checkpoint / "trainer_state.json").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(checkpoint)
+    for (name, a), b in zip(trainer.model.state_dict().items(), reloaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    # resuming from it continues the run (a new generation, low phase first)
+    cfg.max_steps = 6
+    resumed = recording(LoptiGRPOTrainer)(
+        model=str(start), reward_funcs=[kk_reward], args=cfg, train_dataset=kk_dataset(8), processing_class=tok
+    )
+    resumed.recorded = []
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 6
+    assert [r["lopti_phase"] for r in resumed.recorded] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "options, names",
+    [
+        (dict(ar_alpha=1.5), "ar_alpha"),
+        (dict(lopti_eta=0.0), "lopti_eta"),
+        (dict(lopti_eta=0.5, lopti_order="middle"), "lopti_order"),
+        (dict(lopti_quantile=1.0), "lopti_quantile"),
+        (dict(loss_backend="cuda"), "loss_backend"),
+        (dict(ar_alpha=0.3, fused_loss=False), "fused_loss"),
+        (dict(loss_type="cispo"), "loss_type"),
+        (dict(loss_type="sapo"), "loss_type"),
+        (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
+        (dict(delta=2.0), "delta"),
+        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+        (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
+        (dict(lopti_eta=0.5, top_entropy_quantile=0.2), "top_entropy_quantile"),
+        (dict(lopti_eta=0.5, gradient_accumulation_steps=4), "gradient_accumulation_steps"),
+        (dict(fused_lm_head=True, cast_lm_head_to_fp32=True), "cast_lm_head_to_fp32"),
+    ],
+)
+def test_refused_at_construction(tmp_path, options, names):
+    with pytest.raises(ValueError) as info:
+        LoptiGRPOConfig(**settings(tmp_path, **options))
+    message = str(info.value)
+    assert names in message and "\n" not in message
+
+
+def test_off_with_trl_loss_accepts_what_trl_accepts(tmp_path):
+    cfg = LoptiGRPOConfig(**settings(tmp_path, fused_loss=False, loss_type="cispo", delta=None))
+    assert cfg.loss_type == "cispo"
+
+
+def test_trainer_needs_our_config(tmp_path, tok):
+    base = settings(tmp_path)
+    base.pop("loss_backend")
+    with pytest.raises(ValueError, match="LoptiGRPOConfig"):
+        LoptiGRPOTrainer(model=tiny_model(tok), reward_funcs=[kk_reward], args=GRPOConfig(**base),
+                         train_dataset=kk_dataset(), processing_class=tok)  # fmt: skip
+
+
+def test_example_script_cpu_rehearsal(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "trl" / "train_kk_grpo_ar_lopti.py"
+    spec = importlib.util.spec_from_file_location("train_kk_grpo_ar_lopti", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--cpu", "--output-dir", str(tmp_path), "--max-steps", "2"]) == 0
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "tokenizer.json").exists()
+
+
+def test_same_update_as_local_trainer(tmp_path, tok):
+    """The TRL trainer and our local trainer (``local.update.update_policy``) give the same Lopti + AR update on
+    the same tokens and advantages: both within fp32 rounding of the hand-written round's float64 run."""
+    from openrlhf_lopti.local.config import TrainConfig
+    from openrlhf_lopti.local.experience import Experience
+    from openrlhf_lopti.local.rollout import Rollout
+    from openrlhf_lopti.local.update import update_policy
+
+    one = kk_dataset(1)[0]  # one prompt for every group: no left padding, so both trainers see the same positions
+    dataset = Dataset.from_list([one] * 4)
+    cfg = LoptiGRPOConfig(
+        **settings(tmp_path, loss_type="bnpo", gradient_accumulation_steps=1, steps_per_generation=1, max_steps=2,
+                   ar_alpha=0.3, lopti_eta=0.5)  # fmt: skip
+    )
+    initial, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok, dataset)
+    assert [r["lopti_phase"] for r in recorded] == [0, 1]
+    batch = recorded[0]
+    assert bool(batch["prompt_mask"].all()) and bool(batch["advantages"].abs().max() > 0)
+    mask = batch["completion_mask"].bool()
+    rollout = Rollout(
+        sequences=torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+        attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+        action_mask=mask,
+        prompt_len=batch["prompt_ids"].size(1),
+        responses=[""] * mask.size(0),
+    )
+    experience = Experience(
+        rollout=rollout, old_log_probs=batch["old_per_token_logps"], ref_log_probs=None,
+        advantages=batch["advantages"][:, None] * mask, rewards=torch.zeros(mask.size(0)), correct=None,
+        format_ok=None,
+    )  # fmt: skip
+    local_cfg = TrainConfig(
+        model="m", out="o", alpha=0.3, lopti=True, eta=0.5, n_samples=4, prompts_per_step=1, temperature=1.0,
+        mini_batch_size=4, micro_batch_size=4, epochs=1, grad_clip=0.0, kl_coef=0.0, eps_low=0.2, eps_high=0.28,
+        loss_backend="torch", progress=False,
+    )  # fmt: skip
+    local = tiny_model(tok)
+    local.load_state_dict(initial)
+    metrics = update_policy(local, torch.optim.SGD(local.parameters(), lr=LR), experience, local_cfg)
+    assert metrics["optimizer_steps"] == 2 and metrics["phase1_tokens"] > 0 and metrics["phase2_tokens"] > 0
+    low = (batch["old_per_token_logps"].exp() < 0.5) & mask
+    assert torch.equal(batch["lopti_phase_mask"], low) and metrics["phase1_tokens"] == int(low.sum())
+
+    p0 = initial_params(tok, initial)
+    ref32 = hand_round(tok, initial, recorded, cfg, torch.float32)
+    ref64 = hand_round(tok, initial, recorded, cfg, torch.float64)
+    local_params = [p.detach() for p in local.parameters() if p.requires_grad]
+    for name, params in (("TRL", trained_params(trainer)), ("local", local_params)):
+        for i, (err, err_ref, allowed) in enumerate(update_errors(p0, params, ref32, ref64)):
+            assert err <= allowed, f"{name} param {i}: update off by {err:.3g} (hand fp32 {err_ref:.3g})"
