@@ -425,8 +425,8 @@ def openrlhf_argv(args, model_dir: Path, data: Path, reward_file: Path, save: Pa
     ]  # fmt: skip
     for flag, value in sizes.items():
         argv += [flag, str(value)]
-    argv += ["--algo.ar_alpha", str(alpha)] if alpha else []
-    argv += ["--algo.lopti_eta", str(args.eta)] if lopti else []
+    argv += ["--algo.ar.alpha", str(alpha)] if alpha else []
+    argv += ["--algo.lopti.eta", str(args.eta)] if lopti else []
     return argv + OPENRLHF_LOSS_PATHS[loss_path]
 
 

@@ -8,8 +8,9 @@ import torch
 _LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
 
 
-def lm_head_parts(model) -> tuple:
-    """``(weight [V, H], bias [V] or None)`` of a causal LM's output layer, for ``--fused-lm-head``.
+def lm_head_parts(model, flag: str = "--fused-lm-head") -> tuple:
+    """``(weight [V, H], bias [V] or None)`` of a causal LM's output layer, for the fused lm_head (``flag``: how the
+    user switched it on, named in the error: the local trainer's ``--fused-lm-head`` by default).
 
     With tied embeddings the weight IS the input embedding (the same parameter), so the loss's gradient
     reaches it exactly as through the model's own lm_head.
@@ -19,12 +20,12 @@ def lm_head_parts(model) -> tuple:
     """
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
-        raise ValueError(f"fused_lm_head needs a torch.nn.Linear output layer, got {type(head).__name__}")
+        raise ValueError(f"{flag} needs a torch.nn.Linear output layer, got {type(head).__name__}")
     for name, neutral in _LOGIT_TRANSFORMS.items():
         value = getattr(model.config, name, None)
         if value is not None and value != neutral:
             raise ValueError(
-                f"fused_lm_head does not support models that transform their logits ({name}={value!r}); "
-                "run without --fused-lm-head"
+                f"{flag} does not support models that transform their logits ({name}={value!r}); "
+                f"run without {flag}"
             )
     return head.weight, head.bias

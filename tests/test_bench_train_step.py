@@ -124,8 +124,8 @@ def test_openrlhf_launch_flags_parse_with_the_real_parser(tmp_path):
             argv = bench.openrlhf_argv(args, tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "r.py", tmp_path / "s",
                                        method, path)  # fmt: skip
             parsed = parse_args(argv)  # upstream's parser, post-processing and checks, and ours
-            assert parsed.cpu and parsed.algo.ar_alpha == alpha
-            assert parsed.algo.lopti_eta == (0.5 if lopti else 0.0)
+            assert parsed.cpu and parsed.algo.ar.alpha == alpha
+            assert parsed.algo.lopti.eta == (0.5 if lopti else 0.0)
             assert parsed.actor.fused_loss == ("off" if path == "eager" else "auto")
             assert parsed.actor.fused_lm_head == (path == "fused_lm_head")
             assert (parsed.rollout.batch_size, parsed.rollout.n_samples_per_prompt, parsed.train.batch_size) == (8, 8, 32)

@@ -213,7 +213,7 @@ def test_train_errors_name_flags_and_eta_zero_means_lopti_off(tmp_path, capsys, 
         "openrlhf-lopti train: error: --prompts-per-step must be an integer >= 1, got 0"
     )
     assert fails(capsys, base + ["--method", "lopti", "--eta", "0"]) == (
-        "openrlhf-lopti train: error: --eta 0 means Lopti off (as --algo.lopti_eta 0 in the OpenRLHF CLI), but "
+        "openrlhf-lopti train: error: --eta 0 means Lopti off (as --algo.lopti.eta 0 in the OpenRLHF CLI), but "
         "lopti is on (--lopti or a lopti --method): give eta in (0, 1], or turn Lopti off"
     )
     assert fails(capsys, base + ["--steps"]) == (
@@ -221,7 +221,7 @@ def test_train_errors_name_flags_and_eta_zero_means_lopti_off(tmp_path, capsys, 
     )
     assert not (tmp_path / "r").exists()
     tiny = ["--steps", "1", "--prompts-per-step", "1", "--n-samples", "2", "--max-new-tokens", "2", "--no-progress"]
-    assert cli_main(base + ["--eta", "0", *tiny]) == 0  # accepted, as --algo.lopti_eta 0: Lopti off
+    assert cli_main(base + ["--eta", "0", *tiny]) == 0  # accepted, as --algo.lopti.eta 0: Lopti off
     assert json.loads((tmp_path / "r" / "config.json").read_text())["lopti"] is False
 
 

@@ -161,5 +161,5 @@ def test_models_that_transform_their_logits_are_refused(tiny):
     model = copy.deepcopy(model)
     assert lm_head_parts(model)[0] is model.get_input_embeddings().weight
     model.config.final_logit_softcapping = 30.0  # Gemma 2's soft cap: lm_head(hidden) would not be the logits
-    with pytest.raises(ValueError, match="fused_lm_head does not support .*final_logit_softcapping=30.0"):
+    with pytest.raises(ValueError, match="^--fused-lm-head does not support .*final_logit_softcapping=30.0"):
         lm_head_parts(model)

@@ -30,15 +30,15 @@ def test_help_lists_upstream_and_our_flags_without_the_gpu_stack():
     assert result.returncode == 0, result.stderr
     for flag in ("--actor.policy_loss_type", "--algo.advantage.estimator", "--vllm.num_engines"):  # upstream
         assert flag in result.stdout
-    for flag in ("--algo.ar_alpha", "--algo.lopti_eta", "--algo.lopti_order", "--algo.lopti_quantile",
-                 "--algo.lopti_denominator", "--actor.fused_loss"):  # fmt: skip
+    for flag in ("--algo.ar.alpha", "--algo.lopti.eta", "--algo.lopti.order", "--algo.lopti.quantile",
+                 "--algo.lopti.denominator", "--actor.fused_loss"):  # fmt: skip
         assert flag in result.stdout
 
 
 def test_bad_value_of_our_flag_exits_2_with_the_flag_named():
-    result = run_cli(*BASE, "--algo.lopti_eta", "1.5")
+    result = run_cli(*BASE, "--algo.lopti.eta", "1.5")
     assert result.returncode == 2
-    assert "argument --algo.lopti_eta: eta must be a probability threshold in (0, 1], got 1.5" in result.stderr
+    assert "argument --algo.lopti.eta: eta must be a probability threshold in (0, 1], got 1.5" in result.stderr
 
 
 def test_launch_without_the_gpu_stack_says_so():
@@ -52,18 +52,17 @@ def test_launch_without_the_gpu_stack_says_so():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--algo.ar_alpha", "-0.1"], "argument --algo.ar_alpha: alpha must be in [0, 1], got -0.1"),
-        (["--algo.ar_alpha", "nan"], "argument --algo.ar_alpha: alpha must be in [0, 1]"),
-        (["--algo.lopti_eta", "x"], "argument --algo.lopti_eta: not a number: 'x'"),
-        (["--algo.lopti_eta", "0.5", "--algo.lopti_quantile", "1"], "argument --algo.lopti_quantile: quantile"),
-        (["--algo.lopti_order", "middle"], "argument --algo.lopti_order: invalid choice"),
-        (["--algo.lopti_denominator", "some"], "argument --algo.lopti_denominator: invalid choice"),
+        (["--algo.ar.alpha", "-0.1"], "argument --algo.ar.alpha: alpha must be in [0, 1], got -0.1"),
+        (["--algo.ar.alpha", "nan"], "argument --algo.ar.alpha: alpha must be in [0, 1]"),
+        (["--algo.lopti.eta", "x"], "argument --algo.lopti.eta: not a number: 'x'"),
+        (["--algo.lopti.eta", "0.5", "--algo.lopti.quantile", "1"], "argument --algo.lopti.quantile: quantile"),
+        (["--algo.lopti.order", "middle"], "argument --algo.lopti.order: invalid choice"),
+        (["--algo.lopti.denominator", "some"], "argument --algo.lopti.denominator: invalid choice"),
         (["--actor.fused_loss", "cuda"], "argument --actor.fused_loss: invalid choice"),
-        (["--algo.lopti_quantile", "0.3"], "--algo.lopti_quantile needs Lopti switched on"),
-        (["--algo.lopti_eta", "0.5", "--actor.policy_loss_type", "gspo"], "GSPO's ratio is one per sequence"),
+        (["--algo.lopti.eta", "0.5", "--actor.policy_loss_type", "gspo"], "GSPO's ratio is one per sequence"),
         (
-            ["--algo.lopti_eta", "0.5", "--actor.loss_agg_mode", "seq-mean-token-mean"],
-            "--algo.lopti_denominator all with --actor.loss_agg_mode seq-mean-token-mean",
+            ["--algo.lopti.eta", "0.5", "--actor.loss_agg_mode", "seq-mean-token-mean"],
+            "--algo.lopti.denominator all with --actor.loss_agg_mode seq-mean-token-mean",
         ),
         (
             ["--actor.fused_loss", "triton", "--actor.policy_loss_type", "gspo"],
@@ -98,6 +97,27 @@ def test_bad_values_and_combinations_fail_at_parse_time(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_flags_are_nested_as_upstream_nests_its_own_and_a_quantile_alone_switches_lopti_on():
+    args = cli.parse_args(BASE + ["--algo.ar.alpha", "0.3", "--algo.lopti.quantile", "0.4", "--algo.lopti.order", "high_first"])
+    assert args.algo.ar.alpha == 0.3 and args.algo.lopti.quantile == 0.4 and args.algo.lopti.eta == 0.0
+    assert args.algo.lopti.order == "high_first" and args.algo.lopti.denominator == "all"
+    assert args.algo.kl.estimator  # upstream's own nesting beside ours
+    config = lopti_config(args)
+    assert config.lopti_enabled and config.lopti_quantile == 0.4 and config.ar_alpha == 0.3
+    assert not lopti_config(cli.parse_args(BASE)).lopti_enabled
+
+
+def test_fused_loss_lists_every_backend_there_is(capsys):
+    from openrlhf_lopti.ops.fused_policy_loss import BACKENDS
+
+    assert fused_backend(cli.parse_args(BASE + ["--actor.fused_loss", "cpp"])) == "cpp"
+    with pytest.raises(SystemExit):
+        cli.parse_args(BASE + ["--actor.fused_loss", "cuda"])
+    err = capsys.readouterr().err
+    for choice in (*BACKENDS, "off"):
+        assert f"'{choice}'" in err, err
+
+
 def test_async_with_an_upstream_best_metric_and_track_direction_alone_parse():
     cli.parse_args(BASE + ["--train.async_enable", "--ckpt.best_metric_key", "eval_kk_pass1"])
     cli.parse_args(BASE + ["--algo.track_direction"])
@@ -107,15 +127,15 @@ def test_parse_runs_upstream_post_processing_and_keeps_our_flags():
     args = cli.parse_args(
         BASE
         + ["--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "8"]
-        + ["--algo.ar_alpha", "0.3", "--algo.lopti_eta", "0.5", "--algo.lopti_denominator", "phase"]
+        + ["--algo.ar.alpha", "0.3", "--algo.lopti.eta", "0.5", "--algo.lopti.denominator", "phase"]
     )
     # upstream's own post-processing ran: hierarchized, clip range filled in, remote_url split, no critic
     assert args.actor.eps_clip_low_high == (0.2, 0.2)
     assert args.reward.remote_url == ["reward.py"]
     assert args.critic.model_name_or_path is None
-    assert lopti_config(args).ar_alpha == 0.3 and args.algo.lopti_eta == 0.5
-    assert args.algo.lopti_order == "low_first" and args.algo.lopti_denominator == "phase"
-    assert args.actor.fused_loss == "auto" and args.algo.lopti_quantile is None
+    assert lopti_config(args).ar_alpha == 0.3 and args.algo.lopti.eta == 0.5
+    assert args.algo.lopti.order == "low_first" and args.algo.lopti.denominator == "phase"
+    assert args.actor.fused_loss == "auto" and args.algo.lopti.quantile is None
 
 
 def test_upstream_checks_still_apply():
@@ -125,7 +145,7 @@ def test_upstream_checks_still_apply():
 
 
 def test_fused_auto_falls_back_to_upstream_loss_where_it_cannot_run():
-    gspo = cli.parse_args(BASE + ["--actor.policy_loss_type", "gspo", "--algo.ar_alpha", "0.2"])
+    gspo = cli.parse_args(BASE + ["--actor.policy_loss_type", "gspo", "--algo.ar.alpha", "0.2"])
     assert fused_backend(gspo) is None  # auto -> upstream's PolicyLoss (AR on the advantages)
     plain = cli.parse_args(BASE)
     assert fused_backend(plain) == "auto"

@@ -18,7 +18,7 @@ VOCAB = 300
 # (3 optimizer steps per pass); 2 RL steps, 6 scheduler steps: warm-up then cosine, every step's lr differs.
 # KL in the reward (k1, not a loss): the rollout KL metric.
 SAMPLES, STEPS = 10, 2
-COMMON = ("--rollout.batch_size", "5", "--algo.ar_alpha", "0.3", "--algo.kl.init_coef", "0.01", "--algo.kl.estimator", "k1")
+COMMON = ("--rollout.batch_size", "5", "--algo.ar.alpha", "0.3", "--algo.kl.init_coef", "0.01", "--algo.kl.estimator", "k1")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def runs(model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
     return {
         "ar": ok(run_ranks(tmp, 1, config(model, *COMMON)))[0],
-        "ar+lopti": ok(run_ranks(tmp, 1, config(model, *COMMON, "--algo.lopti_eta", "0.5")))[0],
+        "ar+lopti": ok(run_ranks(tmp, 1, config(model, *COMMON, "--algo.lopti.eta", "0.5")))[0],
     }
 
 
@@ -92,14 +92,14 @@ def test_each_pass_ends_on_an_optimizer_step(method, runs):
 
 
 def test_kl_loss_share_is_summed_over_phases(model, tmp_path):
-    flags = ("--algo.kl.use_loss", "--algo.kl.init_coef", "0.01", "--algo.kl.estimator", "k3", "--algo.lopti_eta", "0.5")
+    flags = ("--algo.kl.use_loss", "--algo.kl.init_coef", "0.01", "--algo.kl.estimator", "k3", "--algo.lopti.eta", "0.5")
     lopti = ok(run_ranks(tmp_path, 1, config(model, *flags, steps=1, samples=8, kl_in_reward=False)))[0]
     status = lopti["steps"][0]["status"]
     assert status["kl"] == pytest.approx(status["lopti/low/kl"] + status["lopti/high/kl"], rel=1e-6)
 
 
 def test_quantile_threshold_is_one_for_all_data_parallel_ranks_under_zero3(model, tmp_path):
-    flags = ("--algo.lopti_eta", "0.5", "--algo.lopti_quantile", "0.5", "--train.batch_size", "8")
+    flags = ("--algo.lopti.eta", "0.5", "--algo.lopti.quantile", "0.5", "--train.batch_size", "8")
     cfg = config(model, *flags, steps=1, samples=8, low_p_per_rank=[0.9, 0.1], kl_in_reward=False)
     # --algo.track_direction under ZeRO-2 only: with it under ZeRO-3 one full-suite run read a NaN parameter sum
     # after the round (not seen in the reruns; README, "Known issues")
@@ -124,7 +124,7 @@ def test_quantile_threshold_is_one_for_all_data_parallel_ranks_under_zero3(model
 
 @pytest.mark.parametrize("poison", ["advantage", "logits"])
 def test_a_kernel_error_on_one_rank_fails_every_rank_promptly(poison, model, tmp_path):
-    cfg = config(model, "--algo.ar_alpha", "0.3", "--algo.lopti_eta", "0.5", "--train.batch_size", "8",
+    cfg = config(model, "--algo.ar.alpha", "0.3", "--algo.lopti.eta", "0.5", "--train.batch_size", "8",
                  samples=8, kl_in_reward=False)  # fmt: skip
     cfg.update(poison=[1, 1], poison_logits=poison == "logits", linger_s=120)
     results = run_ranks(tmp_path, 2, cfg, timeout=100)
@@ -139,7 +139,7 @@ def test_a_kernel_error_on_one_rank_fails_every_rank_promptly(poison, model, tmp
 def test_fused_lm_head_under_zero3_trains_like_the_logits_kernel(model, tmp_path):
     """The output layer's weight (tied to the input embedding in this model) is partitioned under ZeRO-3: the
     fused lm_head must see it gathered in the forward and the backward, and its gradient must reach it."""
-    flags = ("--algo.ar_alpha", "0.3", "--algo.lopti_eta", "0.5", "--ds.zero_stage", "3", "--actor.entropy_coef", "0.1")
+    flags = ("--algo.ar.alpha", "0.3", "--algo.lopti.eta", "0.5", "--ds.zero_stage", "3", "--actor.entropy_coef", "0.1")
     cfg = config(model, *flags, steps=1, samples=8, kl_in_reward=False)
     logits = ok(run_ranks(tmp_path, 1, cfg))[0]
     lm_head = ok(run_ranks(tmp_path, 1, {**cfg, "argv": cfg["argv"] + ["--actor.fused_lm_head"]}))[0]

@@ -263,7 +263,7 @@ def params_equal(a, b) -> bool:
 
 def upstream_lopti_round(env, flags, eta: float, alpha: float, edit=None):
     """AR + Lopti written out in the test on upstream's own trainer: the independent reference of our trainer with
-    ``--algo.lopti_denominator phase``. The phases are the response tokens with rollout probability p < eta, then
+    ``--algo.lopti.denominator phase``. The phases are the response tokens with rollout probability p < eta, then
     the others; each is one pass of upstream's ``ppo_train`` on the experience with the phase as its action mask
     (so upstream's token-mean denominators count the phase's tokens) and advantages A * (alpha * p + 1 - alpha)
     on the phase, 0 elsewhere. The second pass starts from the weights and optimizer state the first left."""
@@ -380,7 +380,7 @@ Upstream = ppo_actor.ActorPPOTrainer
 
 @pytest.mark.parametrize("order", ["low_first", "high_first"])
 def test_phases_run_in_order_each_a_full_pass_with_its_optimizer_steps(order, env, spy_upstream_step):
-    args = make_args("--algo.lopti_eta", "0.5", "--algo.lopti_order", order, "--train.max_epochs", "2")
+    args = make_args("--algo.lopti.eta", "0.5", "--algo.lopti.order", order, "--train.max_epochs", "2")
     run = train_round(env, Lopti, args, gas=2)
     first, second = ("low", "high") if order == "low_first" else ("high", "low")
     # 8 samples / micro-batches of 2 = 4 micro-batches per epoch, 2 epochs, per phase; one step per 2 (gas)
@@ -392,7 +392,7 @@ def test_phases_run_in_order_each_a_full_pass_with_its_optimizer_steps(order, en
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64])  # int64: as upstream's samples generator makes it
 @pytest.mark.parametrize("denominator", ["all", "phase"])
 def test_phase_masks_advantages_and_denominators(denominator, mask_dtype, env, spy_upstream_step):
-    args = make_args("--algo.lopti_eta", "0.5", "--algo.lopti_denominator", denominator)
+    args = make_args("--algo.lopti.eta", "0.5", "--algo.lopti.denominator", denominator)
     def mask_in_dtype(experience):
         experience.action_mask = experience.action_mask.to(mask_dtype)
 
@@ -420,7 +420,7 @@ def test_phase_masks_advantages_and_denominators(denominator, mask_dtype, env, s
 
 @pytest.mark.parametrize("denominator", ["all", "phase"])
 def test_quantile_phases_train_exactly_the_tokens_below_the_rounds_threshold(denominator, env, spy_upstream_step):
-    flags = ["--algo.lopti_eta", "0.9", "--algo.lopti_quantile", "0.4", "--algo.lopti_denominator", denominator]
+    flags = ["--algo.lopti.eta", "0.9", "--algo.lopti.quantile", "0.4", "--algo.lopti.denominator", denominator]
     run = train_round(env, Lopti, make_args(*flags))
     p, response = run.experience.action_log_probs.exp(), run.experience.action_mask
     threshold = torch.quantile(p[response].double(), 0.4).item()  # torch's own quantile, not ours
@@ -446,7 +446,7 @@ def test_eta_putting_every_token_in_one_phase_is_exactly_the_baseline(fused, den
     # all "low" / all "high"; the empty phase second, then first
     for eta, order in [("1.0", "low_first"), ("1e-30", "high_first"), ("1e-30", "low_first"), ("1.0", "high_first")]:
         capsys.readouterr()
-        flags = ["--algo.lopti_eta", eta, "--algo.lopti_order", order, "--algo.lopti_denominator", denominator]
+        flags = ["--algo.lopti.eta", eta, "--algo.lopti.order", order, "--algo.lopti.denominator", denominator]
         lopti = train_round(env, Lopti, make_args(*common, *flags), gas=2)
         assert len(lopti.strategy.steps) == len(baseline.strategy.steps) == 2  # the empty phase is skipped
         assert params_equal(lopti, baseline)
@@ -458,7 +458,7 @@ def test_eta_putting_every_token_in_one_phase_is_exactly_the_baseline(fused, den
 
 
 def test_first_phase_ignores_everything_about_the_other_tokens(env):
-    flags = ["--algo.lopti_eta", "0.5", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
+    flags = ["--algo.lopti.eta", "0.5", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
     args = make_args(*flags, "--actor.fused_loss", "torch")
 
     def scramble_high_tokens(experience):
@@ -477,7 +477,7 @@ def test_first_phase_ignores_everything_about_the_other_tokens(env):
 
 
 def test_second_phase_recomputes_the_forward_with_the_updated_weights(env, spy_upstream_step):
-    train_round(env, Lopti, make_args("--algo.lopti_eta", "0.5"))
+    train_round(env, Lopti, make_args("--algo.lopti.eta", "0.5"))
     first = {}
     for call in spy_upstream_step:
         first.setdefault(call["phase"], call)
@@ -491,7 +491,7 @@ def test_every_phase_pass_ends_on_its_own_optimizer_step(gas, phases, env, spy_u
     sample), which gas 2 or 3 does not divide. Each phase's last window still ends on an optimizer step, so no
     gradient of one phase is stepped with the other's, and the engine is back on DeepSpeed's own micro-step counter
     after the round."""
-    run = train_round(env, Lopti, make_args("--algo.lopti_eta", "0.5"), gas, samples=7)
+    run = train_round(env, Lopti, make_args("--algo.lopti.eta", "0.5"), gas, samples=7)
     assert [call["phase"] for call in spy_upstream_step] == ["low"] * 3 + ["high"] * 3
     assert [step["phase"] for step in run.strategy.steps] == phases
     assert run.actor.model._is_gradient_accumulation_boundary is None
@@ -511,7 +511,7 @@ def test_each_phase_trains_with_the_learning_rates_of_one_upstream_pass(env):
     pass uses, and the RL step leaves the schedule where upstream's leaves it (it moves once per RL step)."""
     schedule = ["--actor.lr_scheduler", "cosine_with_min_lr", "--actor.lr_warmup_ratio", "0.1"]
     upstream = train_round(env, Upstream, make_args(*schedule))
-    lopti = train_round(env, Lopti, make_args(*schedule, "--algo.lopti_eta", "0.5"))
+    lopti = train_round(env, Lopti, make_args(*schedule, "--algo.lopti.eta", "0.5"))
     lrs = [step["lr"] for step in upstream.strategy.steps]
     assert lrs == pytest.approx([0.0, 1e-4, 2e-4, 3e-4])  # warm-up over 10 of the 100 scheduler steps
     assert [step["phase"] for step in lopti.strategy.steps] == ["low"] * 4 + ["high"] * 4
@@ -523,7 +523,7 @@ def test_each_phase_trains_with_the_learning_rates_of_one_upstream_pass(env):
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 def test_windows_without_tokens_of_the_phase_train_without_nans(aggregation, env, spy_upstream_step):
-    """``--algo.lopti_denominator phase`` counts the phase's tokens (token-mean) or sequences (seq-mean-token-mean)
+    """``--algo.lopti.denominator phase`` counts the phase's tokens (token-mean) or sequences (seq-mean-token-mean)
     per window; in a window with none the loss is a sum over nothing, and its denominator is 1 instead of 0
     (0/0 would make every gradient NaN)."""
     returned = []  # what our training_step hands back to upstream's ppo_train, per micro-batch
@@ -534,7 +534,7 @@ def test_windows_without_tokens_of_the_phase_train_without_nans(aggregation, env
         return returned[-1][1]
 
     env.monkeypatch.setattr(Lopti, "training_step", record)
-    flags = ["--algo.lopti_eta", "0.5", "--algo.lopti_denominator", "phase", "--actor.loss_agg_mode", aggregation]
+    flags = ["--algo.lopti.eta", "0.5", "--algo.lopti.denominator", "phase", "--actor.loss_agg_mode", aggregation]
     run = train_round(env, Lopti, make_args(*flags), edit=rollout_probs(1, low_p=0.1, high_p=0.9))
     # a micro-batch without a token of its phase reports its masked means (0/0) as 0, with a weight of 1e-6
     # in upstream's token-weighted metric means
@@ -557,7 +557,7 @@ def test_windows_without_tokens_of_the_phase_train_without_nans(aggregation, env
 
 
 def test_quantile_threshold_with_no_and_with_one_response_token(env):
-    args = make_args("--algo.lopti_eta", "0.3", "--algo.lopti_quantile", "0.5")
+    args = make_args("--algo.lopti.eta", "0.3", "--algo.lopti.quantile", "0.5")
     trainer, _ = make_trainer(env, Lopti, args, make_actor(env, args))
     old = torch.log(torch.tensor([0.2, 0.6, 0.9]))
     assert trainer._round_threshold(old, torch.tensor([False, False, False])) == 0.3  # nothing to take it of: eta
@@ -568,8 +568,8 @@ def test_quantile_threshold_with_no_and_with_one_response_token(env):
 @pytest.mark.parametrize(
     "flags, where",
     [
-        (["--algo.lopti_eta", "0.5"], "RL step 2, Lopti phase 'low', micro-batch 1 of the epoch"),
-        (["--algo.ar_alpha", "0.3"], "RL step 2, micro-batch 1 of the epoch"),
+        (["--algo.lopti.eta", "0.5"], "RL step 2, Lopti phase 'low', micro-batch 1 of the epoch"),
+        (["--algo.ar.alpha", "0.3"], "RL step 2, micro-batch 1 of the epoch"),
     ],
     ids=["lopti", "ar-only"],
 )
@@ -591,7 +591,7 @@ def test_a_fused_loss_error_names_the_rl_step_phase_micro_batch_and_rank(flags, 
     cause = raised.value.__cause__
     assert isinstance(cause, ValueError) and "has NaN at column 5" in str(cause)
     assert str(raised.value) == f"fused_policy_loss failed at {where}, on rank 0: {cause}"
-    assert len(strategy.steps) == (8 if "--algo.lopti_eta" in flags else 4)  # round 1's optimizer steps only
+    assert len(strategy.steps) == (8 if "--algo.lopti.eta" in flags else 4)  # round 1's optimizer steps only
     assert trainer.lopti_phase is None
     for a, b in zip(before, actor.parameters()):  # no optimizer step, no gradient applied
         torch.testing.assert_close(b.detach(), a, rtol=0, atol=0, equal_nan=True)
@@ -607,7 +607,7 @@ def eager_entropy(monkeypatch):
 
 def test_everything_off_is_upstream_exactly(env, eager_entropy):
     flags = ["--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.entropy_coef", "0.01"]
-    args = make_args(*flags, "--actor.dual_clip", "3", "--actor.fused_loss", "off", "--algo.ar_alpha", "0")
+    args = make_args(*flags, "--actor.dual_clip", "3", "--actor.fused_loss", "off", "--algo.ar.alpha", "0")
     ours = train_round(env, Lopti, args, gas=2, record_grads=True)
     upstream = train_round(env, Upstream, args, gas=2, record_grads=True)
     assert len(ours.strategy.steps) == len(upstream.strategy.steps) == 2
@@ -621,7 +621,7 @@ def test_everything_off_is_upstream_exactly(env, eager_entropy):
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("alpha", ["0", "0.3"])
 def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, aggregation, env, float64):
-    flags = ["--algo.ar_alpha", alpha, "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.dual_clip", "3"]
+    flags = ["--algo.ar.alpha", alpha, "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.dual_clip", "3"]
     flags += ["--actor.loss_agg_mode", aggregation, "--actor.eps_clip_low_high", "0.1", "0.3"]  # not the kernel's 0.2
     if packing:
         flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
@@ -669,7 +669,7 @@ def test_fused_entropy_matches_upstream_entropy_loss_and_gradients(packing, env,
     if packing:
         flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
     reference = upstream_lopti_round(env, flags, eta=0.5, alpha=0.3)
-    lopti = ["--algo.lopti_eta", "0.5", "--algo.ar_alpha", "0.3", "--algo.lopti_denominator", "phase"]
+    lopti = ["--algo.lopti.eta", "0.5", "--algo.ar.alpha", "0.3", "--algo.lopti.denominator", "phase"]
     fused_args = make_args(*flags, *lopti, "--actor.fused_loss", "torch")
     fused = train_round(env, Lopti, fused_args, record_grads=True)
     with float64():
@@ -720,7 +720,7 @@ def test_fused_loss_never_makes_an_fp32_copy_of_the_logits(packing, env):
     from openrlhf_lopti.ops.cpp_policy_loss import cpp_available
 
     assert cpp_available()  # "auto" on CPU: the C++ kernel, which reads bf16 logits without upcasting them
-    flags = ["--actor.entropy_coef", "0.01", "--rollout.temperature", "0.7", "--algo.ar_alpha", "0.3"]
+    flags = ["--actor.entropy_coef", "0.01", "--rollout.temperature", "0.7", "--algo.ar.alpha", "0.3"]
     flags += ["--algo.track_direction"]  # its forward-only pass after the update goes through the kernels too
     if packing:
         flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
@@ -747,7 +747,7 @@ def test_fused_loss_never_makes_an_fp32_copy_of_the_logits(packing, env):
 def test_fused_lm_head_never_makes_the_logits(env):
     """With --actor.fused_lm_head no [B, T, V] logits exist in a whole step: experience making, the Lopti phases'
     training and --algo.track_direction's pass after it (only [chunk, V] pieces, one chunk at a time)."""
-    flags = ["--actor.fused_loss", "torch", "--actor.fused_lm_head", "--algo.lopti_eta", "0.5"]
+    flags = ["--actor.fused_loss", "torch", "--actor.fused_lm_head", "--algo.lopti.eta", "0.5"]
     flags += ["--algo.track_direction", "--actor.entropy_coef", "0.01"]
     args = make_args(*flags)
     actor = make_actor(env, args)
@@ -781,8 +781,8 @@ def test_fused_lm_head_trains_like_the_fused_logits_loss(variant, env, eager_ent
     """Same loss, entropy, KL and parameter gradients, whether the kernels read the logits or the lm_head makes
     them chunk by chunk (here for every weight the model has: with tied embeddings the lm_head IS the input
     embedding, whose gradient then sums both uses)."""
-    flags = ["--rollout.temperature", "0.7", "--algo.lopti_eta", "0.5"]
-    flags += ["--algo.ar_alpha", "0.3", "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.fused_loss", "torch"]
+    flags = ["--rollout.temperature", "0.7", "--algo.lopti.eta", "0.5"]
+    flags += ["--algo.ar.alpha", "0.3", "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.fused_loss", "torch"]
     flags += [] if variant == "no_entropy" else ["--actor.entropy_coef", "0.5"]  # no entropy: upstream asks for none
     flags += ["--ds.packing_samples", "--vllm.num_engines", "1"] if variant == "packed" else []
     config = copy.deepcopy(env.config)
@@ -842,6 +842,18 @@ def test_fused_lm_head_trains_like_the_fused_logits_loss(variant, env, eager_ent
     assert runs["lm_head"].status["ppo_clip_ratio"] == runs["logits"].status["ppo_clip_ratio"]  # a share of tokens
 
 
+def test_an_output_layer_the_lm_head_kernel_cannot_fuse_is_refused_naming_the_openrlhf_flag(env):
+    args = make_args("--actor.fused_loss", "torch", "--actor.fused_lm_head")
+    actor = make_actor(env, args)
+    actor.model.config.final_logit_softcapping = 30.0  # as Gemma 2: logits transformed after the lm_head
+    with pytest.raises(ValueError) as raised:
+        make_trainer(env, Lopti, args, actor)
+    assert str(raised.value) == (
+        "--actor.fused_lm_head does not support models that transform their logits (final_logit_softcapping=30.0); "
+        "run without --actor.fused_lm_head"
+    )
+
+
 def test_fused_lm_head_needs_the_fused_loss(capsys):
     with pytest.raises(SystemExit):
         make_args("--actor.fused_lm_head", "--actor.fused_loss", "off")
@@ -878,7 +890,7 @@ def test_moe_aux_loss_counts_once_per_rl_step(env, float64):
         status = trainer.ppo_train(KL_CTL)
         return strategy.steps[0]["grads"], status
 
-    lopti = ["--algo.lopti_eta", "0.5"]
+    lopti = ["--algo.lopti.eta", "0.5"]
     with float64():
         ours_with, status = first_step_grads(Lopti, lopti, 0.5)
         ours_without, _ = first_step_grads(Lopti, lopti, 0.0)
@@ -898,7 +910,7 @@ def test_moe_aux_loss_counts_once_per_rl_step(env, float64):
 
 def test_ar_changes_the_update_and_logs_the_mean_weight(env):
     plain = train_round(env, Lopti, make_args())
-    ar = train_round(env, Lopti, make_args("--algo.ar_alpha", "0.3"))
+    ar = train_round(env, Lopti, make_args("--algo.ar.alpha", "0.3"))
     assert not params_equal(plain, ar)
     old, mask = ar.experience.action_log_probs, ar.experience.action_mask
     assert ar.status["ar/mean_weight"] == pytest.approx(ar_weight(old, 0.3)[mask].mean().item(), rel=1e-6)
@@ -907,7 +919,7 @@ def test_ar_changes_the_update_and_logs_the_mean_weight(env):
 
 # ---------------------------------------------------------------- metrics, quantile, dynamic batching
 def test_lopti_metrics_in_the_status(env, capsys):
-    flags = ["--algo.lopti_eta", "0.5", "--algo.ar_alpha", "0.3", "--actor.fused_loss", "torch"]
+    flags = ["--algo.lopti.eta", "0.5", "--algo.ar.alpha", "0.3", "--actor.fused_loss", "torch"]
     flags += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
     started = time.perf_counter()
     run = train_round(env, Lopti, make_args(*flags))
@@ -960,7 +972,7 @@ def test_merge_phase_status_rules():
 
 
 def test_quantile_sets_the_fraction_of_low_tokens(env):
-    run = train_round(env, Lopti, make_args("--algo.lopti_eta", "0.5", "--algo.lopti_quantile", "0.4"))
+    run = train_round(env, Lopti, make_args("--algo.lopti.eta", "0.5", "--algo.lopti.quantile", "0.4"))
     probs = run.experience.action_log_probs.exp()[run.experience.action_mask]
     assert run.status["lopti/threshold"] == pytest.approx(torch.quantile(probs, 0.4).item(), rel=1e-6)
     assert run.status["lopti/low_token_frac"] == pytest.approx(0.4, abs=1.0 / probs.numel() + 1e-9)
@@ -976,7 +988,7 @@ def test_a_quantile_of_probabilities_that_underflow_still_trains_both_phases(env
         low = torch.arange(len(experience.sequences))[:, None] < 6  # 6 of the 8 responses
         experience.action_log_probs = torch.where(low, -200.0, math.log(0.7)) * experience.action_mask
 
-    run = train_round(env, Lopti, make_args("--algo.lopti_eta", "0.5", "--algo.lopti_quantile", "0.5"), edit=underflow)
+    run = train_round(env, Lopti, make_args("--algo.lopti.eta", "0.5", "--algo.lopti.quantile", "0.5"), edit=underflow)
     assert run.status["lopti/threshold"] == torch.finfo(torch.float32).tiny
     response = run.experience.action_mask
     low = response & (torch.arange(len(response))[:, None] < 6)
@@ -991,7 +1003,7 @@ def test_ema_updates_exactly_when_deepspeed_steps(gas, samples, env):
     and 3 micro-batches a pass, each Lopti phase has windows of 2 and 1 micro-batches: upstream's own count of
     micro-batches (an update every 2nd) would update after micro-batches 2, 4, 6 instead of 2, 3, 5, 6."""
     beta = 0.9
-    args = make_args("--algo.lopti_eta", "0.5", "--algo.ar_alpha", "0.3", "--train.enable_ema", "--train.ema_beta", str(beta))
+    args = make_args("--algo.lopti.eta", "0.5", "--algo.ar.alpha", "0.3", "--train.enable_ema", "--train.ema_beta", str(beta))
     actor, ema = make_actor(env, args), make_actor(env, args)
     experience = make_experience(env.rollout, actor)
     trainer, strategy = make_trainer(env, Lopti, args, actor, gas=gas, ema=ema)
@@ -1042,7 +1054,7 @@ def test_each_token_trains_in_the_phase_it_was_counted_in_wherever_the_split_run
         values = torch.where(disputed, torch.tensor(x), torch.tensor(math.log(0.99)))
         experience.action_log_probs = values * experience.action_mask
 
-    run = train_round(env, Lopti, make_args("--algo.lopti_eta", str(eta)), edit=at_the_threshold)
+    run = train_round(env, Lopti, make_args("--algo.lopti.eta", str(eta)), edit=at_the_threshold)
     response = run.experience.action_mask
     counted_low = round(run.status.get("lopti/low_token_frac", 0.0) * response.sum().item())
     trained = {phase: sum(c["mask"].sum().item() for c in spy_upstream_step if c["phase"] == phase) for phase in ("low", "high")}
@@ -1052,7 +1064,7 @@ def test_each_token_trains_in_the_phase_it_was_counted_in_wherever_the_split_run
 def test_tokens_at_the_threshold_train_in_the_high_phase(env, spy_upstream_step):
     """Low means p < threshold, strictly, in the phase masks and in the counts alike: with most tokens at p = 0.5
     the median is 0.5 itself, and those tokens are "high"."""
-    args = make_args("--algo.lopti_eta", "0.9", "--algo.lopti_quantile", "0.5")
+    args = make_args("--algo.lopti.eta", "0.9", "--algo.lopti.quantile", "0.5")
     run = train_round(env, Lopti, args, edit=rollout_probs(3, low_p=0.2, high_p=0.5))
     response = run.experience.action_mask
     low = response & (torch.arange(len(response))[:, None] < 3)
@@ -1073,7 +1085,7 @@ def test_a_batch_of_one_response_token(env, spy_upstream_step):
         experience.action_log_probs = torch.where(keep, math.log(0.1), 0.0)  # its rollout p: 0.1, a low token
         experience.advantages = experience.advantages * keep
 
-    run = train_round(env, Lopti, make_args("--algo.lopti_eta", "0.5"), edit=one_token)
+    run = train_round(env, Lopti, make_args("--algo.lopti.eta", "0.5"), edit=one_token)
     assert run.status["lopti/low_token_frac"] == 1.0 and "lopti/high/train_s" not in run.status
     assert [call["phase"] for call in spy_upstream_step] == ["low"] * 4
     assert all(torch.isfinite(p).all() for p in run.actor.parameters())
@@ -1087,10 +1099,10 @@ def test_dynamic_batching(fused, env, spy_upstream_step):
     baseline = train_round(env, Lopti, make_args(*dynamic))
     assert baseline.actor.packing_samples and len(baseline.strategy.steps) == 2
     assert len(spy_upstream_step) > 2  # the token budget split the steps into several micro-batches
-    whole = train_round(env, Lopti, make_args(*dynamic, "--algo.lopti_eta", "1.0"))
+    whole = train_round(env, Lopti, make_args(*dynamic, "--algo.lopti.eta", "1.0"))
     assert params_equal(whole, baseline)
     spy_upstream_step.clear()
-    lopti = train_round(env, Lopti, make_args(*dynamic, "--algo.lopti_eta", "0.5"))
+    lopti = train_round(env, Lopti, make_args(*dynamic, "--algo.lopti.eta", "0.5"))
     assert [step["phase"] for step in lopti.strategy.steps] == ["low", "low", "high", "high"]
     buffer = lopti.trainer.replay_buffer
     for call in spy_upstream_step:  # "all": each micro-batch's denominators are its optimizer step's totals
@@ -1107,7 +1119,7 @@ ESTIMATORS = ["gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "d
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_every_advantage_estimator(estimator, env, float64):
     base = ["--algo.advantage.estimator", estimator]
-    flags = ["--algo.ar_alpha", "0.3", "--algo.lopti_eta", "0.5", "--algo.lopti_denominator", "phase"]
+    flags = ["--algo.ar.alpha", "0.3", "--algo.lopti.eta", "0.5", "--algo.lopti.denominator", "phase"]
     args = make_args(*base, *flags, "--actor.fused_loss", "torch")
 
     def upstream_advantages(experience):
@@ -1147,13 +1159,13 @@ def edited_args(edit: dict):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        ({"actor.policy_loss_type": "gspo", "algo.lopti_eta": 0.5}, "GSPO's ratio is one per sequence"),
+        ({"actor.policy_loss_type": "gspo", "algo.lopti.eta": 0.5}, "GSPO's ratio is one per sequence"),
         (
             {"actor.fused_loss": "torch", "algo.advantage.is_correction_level": "token"},
             "does not support --algo.advantage.is_correction_level",
         ),
-        ({"algo.lopti_eta": 0.5, "actor.loss_agg_mode": "seq-mean-token-mean"}, "--algo.lopti_denominator all with"),
-        ({"algo.ar_alpha": 2.0}, r"alpha must be in \[0, 1\]"),
+        ({"algo.lopti.eta": 0.5, "actor.loss_agg_mode": "seq-mean-token-mean"}, "--algo.lopti.denominator all with"),
+        ({"algo.ar.alpha": 2.0}, r"alpha must be in \[0, 1\]"),
     ],
 )
 def test_trainer_rejects_what_cannot_work_at_start_up(edit, message, env):
@@ -1207,7 +1219,7 @@ def test_policy_model_actor_builds_our_trainer_and_trains(shipped, env, tmp_path
     tokenizer.save_pretrained(tmp_path)
 
     args = make_args(
-        "--algo.lopti_eta", "0.5", "--algo.ar_alpha", "0.3", "--actor.fused_loss", "torch",
+        "--algo.lopti.eta", "0.5", "--algo.ar.alpha", "0.3", "--actor.fused_loss", "torch",
         "--ds.attn_implementation", "sdpa", "--vllm.sync_backend", "gloo", "--train.batch_size", "2",
     )  # fmt: skip
     for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):  # the actor's __init__ sets them
@@ -1245,7 +1257,7 @@ def test_policy_model_actor_builds_our_trainer_and_trains(shipped, env, tmp_path
 def test_track_direction_counts_what_the_update_did(fused, env):
     """``direction/*`` against the same counts taken by hand: the round's experience before and after the update,
     read through upstream's own Actor."""
-    args = make_args("--algo.track_direction", "--algo.lopti_eta", "0.5", "--actor.fused_loss", fused)
+    args = make_args("--algo.track_direction", "--algo.lopti.eta", "0.5", "--actor.fused_loss", fused)
     run = train_round(env, Lopti, args)
     experience, status = run.experience, run.status
     with torch.no_grad():

@@ -104,8 +104,8 @@ set -x
   --algo.kl.estimator k3 \
   --actor.entropy_coef 0 \
   --actor.fused_loss auto \
-  --algo.ar_alpha 0.3 \
-  --algo.lopti_eta 0.5 \
+  --algo.ar.alpha 0.3 \
+  --algo.lopti.eta 0.5 \
   --ckpt.output_dir "$SAVE_DIR/$RUN_NAME" \
   --ckpt.path "$SAVE_DIR/$RUN_NAME/ckpt" \
   --ckpt.save_steps 20 \

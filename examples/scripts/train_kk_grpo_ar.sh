@@ -2,5 +2,5 @@
 # Knights & Knaves, GRPO + Advantage Reweighting (alpha = 0.3, the paper's K&K value).
 set -euo pipefail
 RUN_NAME=${RUN_NAME:-kk_grpo_ar} exec bash "$(dirname "$0")/train_kk_grpo.sh" \
-  --algo.ar_alpha 0.3 \
+  --algo.ar.alpha 0.3 \
   "$@"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Math (paper Sec. 5.2: Qwen2.5-7B on DSR-Uniform), GRPO + AR with alpha = 0.1, single node with 8 GPUs.
 # On math, AR and Lopti each helped and the two together did not: for GRPO + Lopti instead, replace the
-# --algo.ar_alpha line by `--algo.lopti_eta 0.5` (or pass `--algo.ar_alpha 0 --algo.lopti_eta 0.5`).
+# --algo.ar.alpha line by `--algo.lopti.eta 0.5` (or pass `--algo.ar.alpha 0 --algo.lopti.eta 0.5`).
 #
 # Data: convert your local copy of the training set (a jsonl/json/parquet with `problem` and `answer`):
 #   python -m openrlhf_lopti data math --input dsr_uniform.jsonl --benchmark dsr --out data/math/train.jsonl
@@ -74,7 +74,7 @@ set -x
   --algo.kl.estimator k3 \
   --actor.entropy_coef 0 \
   --actor.fused_loss auto \
-  --algo.ar_alpha 0.1 \
+  --algo.ar.alpha 0.1 \
   --ckpt.output_dir "$SAVE_DIR/$RUN_NAME" \
   --ckpt.path "$SAVE_DIR/$RUN_NAME/ckpt" \
   --ckpt.save_steps 20 \

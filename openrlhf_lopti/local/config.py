@@ -107,8 +107,8 @@ class TrainConfig:
                 check()
             except ValueError as e:
                 raise ConfigError(name, f"{name} {str(e).split(' ', 1)[1]}") from None
-        if self.lopti and self.eta == 0:  # eta 0 is "Lopti off", as OpenRLHF's --algo.lopti_eta 0
-            raise ConfigError("eta", "eta 0 means Lopti off (as --algo.lopti_eta 0 in the OpenRLHF CLI), but lopti "
+        if self.lopti and self.eta == 0:  # eta 0 is "Lopti off", as OpenRLHF's --algo.lopti.eta 0
+            raise ConfigError("eta", "eta 0 means Lopti off (as --algo.lopti.eta 0 in the OpenRLHF CLI), but lopti "
                               "is on (--lopti or a lopti --method): give eta in (0, 1], or turn Lopti off")  # fmt: skip
         positive_ints = ("steps", "prompts_per_step", "n_samples", "max_new_tokens", "mini_batch_size", "epochs")
         for name in positive_ints + ("save_every", "eval_n_samples"):

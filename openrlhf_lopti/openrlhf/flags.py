@@ -1,13 +1,15 @@
 """Our OpenRLHF flags: add them to a parser, read them into a :class:`LoptiConfig`, reject what cannot work.
 
-Flag -> config field (all dotted like upstream's, so ``hierarchize`` nests them as ``args.algo.ar_alpha``):
+Flag -> config field (nested like upstream's ``--algo.kl.*`` / ``--algo.advantage.*``, so ``hierarchize`` makes
+them ``args.algo.ar.alpha``, ``args.algo.lopti.eta``, ...):
 
-    --algo.ar_alpha            ar_alpha            AR strength in [0, 1]; 0 = off (paper: 0.3 K&K, 0.1 math)
-    --algo.lopti_eta           lopti_eta           Lopti probability threshold in (0, 1]; 0 = off (paper: 0.5)
-    --algo.lopti_order         lopti_order         low_first (Lopti) | high_first (the paper's ablation)
-    --algo.lopti_quantile      lopti_quantile      threshold = this quantile of the batch's token probabilities
-    --algo.lopti_denominator   lopti_denominator   all (authors' code) | phase: token-mean denominator per phase
-    --actor.fused_loss         fused_loss          auto | triton | torch | off (upstream's PolicyLoss)
+    --algo.ar.alpha            ar_alpha            AR strength in [0, 1]; 0 = off (paper: 0.3 K&K, 0.1 math)
+    --algo.lopti.eta           lopti_eta           Lopti probability threshold in (0, 1]; 0 = off (paper: 0.5)
+    --algo.lopti.order         lopti_order         low_first (Lopti) | high_first (the paper's ablation)
+    --algo.lopti.quantile      lopti_quantile      threshold = this quantile of the batch's token probabilities
+                                                   (switches Lopti on by itself; eta is then not used)
+    --algo.lopti.denominator   lopti_denominator   all (authors' code) | phase: token-mean denominator per phase
+    --actor.fused_loss         fused_loss          auto | triton | cpp | torch | off (upstream's PolicyLoss)
     --actor.fused_lm_head      fused_lm_head       the fused loss from the last hidden states: no [N, V] logits
     --algo.track_direction     track_direction     log direction/* (paper Fig. 3) after each update
 
@@ -22,7 +24,7 @@ from typing import Any, Callable, Optional
 
 from openrlhf_lopti.algo import LOPTI_ORDERS, check_alpha, check_lopti_args
 
-FUSED_LOSS_CHOICES = ("auto", "triton", "torch", "off")
+FUSED_LOSS_CHOICES = ("auto", "triton", "cpp", "torch", "off")
 LOPTI_DENOMINATORS = ("all", "phase")
 
 
@@ -41,7 +43,7 @@ class LoptiConfig:
 
     @property
     def lopti_enabled(self) -> bool:
-        return self.lopti_eta > 0
+        return self.lopti_eta > 0 or self.lopti_quantile is not None
 
 
 def _arg(args: Any, dotted: str, default: Any = None) -> Any:
@@ -60,11 +62,11 @@ def lopti_config(args: Any) -> LoptiConfig:
     """Our flags from ``args`` (flat argparse Namespace or OpenRLHF's hierarchized one); defaults if absent."""
     default = LoptiConfig()
     return LoptiConfig(
-        ar_alpha=float(_arg(args, "algo.ar_alpha", default.ar_alpha)),
-        lopti_eta=float(_arg(args, "algo.lopti_eta", default.lopti_eta)),
-        lopti_order=_arg(args, "algo.lopti_order", default.lopti_order),
-        lopti_quantile=_arg(args, "algo.lopti_quantile", default.lopti_quantile),
-        lopti_denominator=_arg(args, "algo.lopti_denominator", default.lopti_denominator),
+        ar_alpha=float(_arg(args, "algo.ar.alpha", default.ar_alpha)),
+        lopti_eta=float(_arg(args, "algo.lopti.eta", default.lopti_eta)),
+        lopti_order=_arg(args, "algo.lopti.order", default.lopti_order),
+        lopti_quantile=_arg(args, "algo.lopti.quantile", default.lopti_quantile),
+        lopti_denominator=_arg(args, "algo.lopti.denominator", default.lopti_denominator),
         fused_loss=_arg(args, "actor.fused_loss", default.fused_loss),
         fused_lm_head=bool(_arg(args, "actor.fused_lm_head", default.fused_lm_head)),
         track_direction=bool(_arg(args, "algo.track_direction", default.track_direction)),
@@ -104,34 +106,34 @@ def add_lopti_flags(parser: argparse.ArgumentParser) -> None:
         "Advantage Reweighting (AR) and Low-Probability Token Isolation (Lopti), arXiv 2505.12929",
     )
     group.add_argument(
-        "--algo.ar_alpha",
+        "--algo.ar.alpha",
         type=_checked(check_alpha),
         default=0.0,
         help="AR: scale each token's advantage by alpha*p_old + 1 - alpha, alpha in [0, 1]; 0 = off "
         "(paper: 0.3 on K&K, 0.1 on math)",
     )
     group.add_argument(
-        "--algo.lopti_eta",
+        "--algo.lopti.eta",
         type=_checked(_check_eta),
         default=0.0,
         help="Lopti: update tokens with p_old < eta first, then the rest, each phase a full pass of the "
         "micro-batch/optimizer-step loop; eta in (0, 1], 0 = off (paper: 0.5)",
     )
     group.add_argument(
-        "--algo.lopti_order",
+        "--algo.lopti.order",
         choices=LOPTI_ORDERS,
         default="low_first",
         help="Lopti phase order: low_first (the method) or high_first (the paper's ablation, which collapses)",
     )
     group.add_argument(
-        "--algo.lopti_quantile",
+        "--algo.lopti.quantile",
         type=_checked(_check_quantile),
         default=None,
-        help="Lopti: instead of eta, use this quantile in (0, 1) of the batch's token probabilities as the "
-        "threshold (about this fraction of tokens is 'low'); needs --algo.lopti_eta > 0 to switch Lopti on",
+        help="Lopti with, instead of eta, this quantile in (0, 1) of the batch's token probabilities as the "
+        "threshold (about this fraction of tokens is 'low'); switches Lopti on by itself",
     )
     group.add_argument(
-        "--algo.lopti_denominator",
+        "--algo.lopti.denominator",
         choices=LOPTI_DENOMINATORS,
         default="all",
         help="token-mean denominator of each Lopti phase: all response tokens of the batch (the authors' "
@@ -141,9 +143,10 @@ def add_lopti_flags(parser: argparse.ArgumentParser) -> None:
         "--actor.fused_loss",
         choices=FUSED_LOSS_CHOICES,
         default="auto",
-        help="policy loss through openrlhf-lopti's fused_policy_loss: auto (triton on GPU, the C++ kernel on "
-        "CPU when built, else torch; upstream's PolicyLoss for settings the fused loss does not cover), triton, torch, or "
-        "off (upstream's PolicyLoss, AR applied to the advantages)",
+        help="policy loss through openrlhf-lopti's fused_policy_loss: auto (triton on GPU once its self-check on "
+        "that GPU passes, the C++ kernel on CPU when built, else torch; upstream's PolicyLoss for settings the "
+        "fused loss does not cover), triton, cpp (CPU), torch (the reference), or off (upstream's PolicyLoss, AR "
+        "applied to the advantages)",
     )
     group.add_argument(
         "--actor.fused_lm_head",
@@ -195,14 +198,12 @@ def check_config(args: Any) -> None:
     """
     cfg = lopti_config(args)
     check_alpha(cfg.ar_alpha)
-    if cfg.lopti_enabled:
-        check_lopti_args(cfg.lopti_eta, cfg.lopti_order, cfg.lopti_quantile)
-    elif cfg.lopti_eta != 0:
-        raise ValueError(f"--algo.lopti_eta must be 0 (off) or in (0, 1], got {cfg.lopti_eta}")
-    elif cfg.lopti_quantile is not None:
-        raise ValueError("--algo.lopti_quantile needs Lopti switched on: add --algo.lopti_eta > 0 (e.g. 0.5)")
+    if not (cfg.lopti_eta == 0 or 0 < cfg.lopti_eta <= 1):  # NaN fails both
+        raise ValueError(f"--algo.lopti.eta must be 0 (off) or in (0, 1], got {cfg.lopti_eta}")
+    if cfg.lopti_enabled:  # with a quantile and no eta, the quantile alone sets the threshold
+        check_lopti_args(cfg.lopti_eta or 1.0, cfg.lopti_order, cfg.lopti_quantile)
     if cfg.lopti_denominator not in LOPTI_DENOMINATORS:
-        raise ValueError(f"--algo.lopti_denominator must be one of {LOPTI_DENOMINATORS}, got {cfg.lopti_denominator!r}")
+        raise ValueError(f"--algo.lopti.denominator must be one of {LOPTI_DENOMINATORS}, got {cfg.lopti_denominator!r}")
     if cfg.fused_loss not in FUSED_LOSS_CHOICES:
         raise ValueError(f"--actor.fused_loss must be one of {FUSED_LOSS_CHOICES}, got {cfg.fused_loss!r}")
 
@@ -217,7 +218,7 @@ def check_config(args: Any) -> None:
         )
     if cfg.lopti_enabled and _arg(args, "actor.policy_loss_type", "ppo") == "gspo":
         raise ValueError(
-            "--algo.lopti_eta with --actor.policy_loss_type gspo: GSPO's ratio is one per sequence, so a "
+            "--algo.lopti.eta with --actor.policy_loss_type gspo: GSPO's ratio is one per sequence, so a "
             "token phase cannot be isolated; use --actor.policy_loss_type ppo"
         )
     # --algo.track_direction's forward-only pass after the update is a plain actor forward over the round's experience
@@ -241,6 +242,6 @@ def check_config(args: Any) -> None:
     agg_mode = _arg(args, "actor.loss_agg_mode", "token-mean")
     if cfg.lopti_enabled and cfg.lopti_denominator == "all" and agg_mode != "token-mean":
         raise ValueError(
-            f"--algo.lopti_denominator all with --actor.loss_agg_mode {agg_mode}: the per-sequence means would "
-            "count only the phase's tokens; use --actor.loss_agg_mode token-mean or --algo.lopti_denominator phase"
+            f"--algo.lopti.denominator all with --actor.loss_agg_mode {agg_mode}: the per-sequence means would "
+            "count only the phase's tokens; use --actor.loss_agg_mode token-mean or --algo.lopti.denominator phase"
         )

@@ -2,17 +2,17 @@
 
 What each flag changes, and where (the math itself is ``openrlhf_lopti.algo`` / ``openrlhf_lopti.ops``):
 
-- ``--algo.ar_alpha``: ``alpha`` of ``fused_policy_loss``, or, with ``--actor.fused_loss off``,
+- ``--algo.ar.alpha``: ``alpha`` of ``fused_policy_loss``, or, with ``--actor.fused_loss off``,
   ``reweight_advantages`` on ``experience.advantages`` before upstream's ``PolicyLoss``
   (``training_step``). Logged as ``ar/mean_weight``.
-- ``--algo.lopti_eta`` / ``_order`` / ``_quantile``: ``ppo_train`` runs upstream's ``ppo_train`` (epochs,
+- ``--algo.lopti.eta`` / ``.order`` / ``.quantile``: ``ppo_train`` runs upstream's ``ppo_train`` (epochs,
   micro-batches, optimizer steps) once per phase, in order; ``training_step`` replaces
   ``experience.action_mask`` by the phase's tokens (so policy loss, KL and entropy are masked to them) and
   zeroes the other tokens' advantages; each step's forward uses the weights as the earlier steps left them.
   ``experience.action_log_probs`` (the rollout policy's: the PPO anchor and the threshold's p) never change.
   Logged as ``lopti/low_token_frac``, ``lopti/threshold``, ``lopti/<phase>/<metric>`` and the phase's wall
   seconds ``lopti/<phase>/train_s``.
-- ``--algo.lopti_denominator``: ``all`` applies the phase mask after the token-mean denominators are counted
+- ``--algo.lopti.denominator``: ``all`` applies the phase mask after the token-mean denominators are counted
   (every response token, as in the authors' code); ``phase`` applies it to the replay-buffer items before
   upstream's ``ppo_train`` counts them.
 - ``--actor.fused_loss``: ``_fused_policy_loss`` routes upstream's ``training_step`` through
@@ -77,7 +77,7 @@ def merge_phase_status(
         statuses: phase name -> the status dict upstream's ``ppo_train`` returned for that phase, in the
             order the phases ran.
         token_share: phase name -> its fraction of the batch's response tokens.
-        denominator: ``"all"`` or ``"phase"`` (``--algo.lopti_denominator``).
+        denominator: ``"all"`` or ``"phase"`` (``--algo.lopti.denominator``).
         kl_is_loss: ``--algo.kl.use_loss``: ``kl`` is the KL loss (a per-token metric of the phase's tokens);
             otherwise it is the rollout's KL folded into the reward, the same in every phase.
 
@@ -104,7 +104,7 @@ def merge_phase_status(
 
 
 def _nonzero_denominators(loss_batch_info: dict) -> dict:
-    # A window without any token of the phase (possible with --algo.lopti_denominator phase) counts 0 tokens;
+    # A window without any token of the phase (possible with --algo.lopti.denominator phase) counts 0 tokens;
     # its loss is a sum over nothing, so a denominator of 1 gives the right 0 instead of 0/0 = NaN gradients.
     fixed = dict(loss_batch_info)
     for key in ("batch_num_tokens", "global_batch_size"):
@@ -128,7 +128,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         self.lopti = lopti_config(self.args)
         self.fused_backend: Optional[str] = fused_backend(self.args)
         if self.lopti.fused_lm_head:
-            lm_head_parts(hf_model(self.actor))  # raises now for an output layer it cannot fuse
+            lm_head_parts(hf_model(self.actor), flag="--actor.fused_lm_head")  # raises now for a layer it cannot fuse
         if self.lopti.fused_loss == "auto" and self.fused_backend is None:
             self.strategy.print(
                 "[openrlhf-lopti] --actor.fused_loss auto: using upstream's PolicyLoss because of "
@@ -306,7 +306,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             self.strategy.time_steps["ema"] = gas - 1 if boundary else 0  # gas > 1 here whenever boundary is False
 
     def _round_threshold(self, old_log_probs: torch.Tensor, response: torch.Tensor) -> float:
-        """``eta``, or with ``--algo.lopti_quantile`` that quantile of the response-token probabilities of the whole
+        """``eta``, or with ``--algo.lopti.quantile`` that quantile of the response-token probabilities of the whole
         data-parallel batch (every rank's tokens), so every rank puts a token of a given p in the same phase."""
         if self.lopti.lopti_quantile is None:
             return self.lopti.lopti_eta

@@ -91,7 +91,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
         if problems:
             raise ValueError(problems[0])
         if args.fused_loss and args.fused_lm_head:
-            lm_head_parts(self.accelerator.unwrap_model(self.model))  # raises now for a head it cannot fuse
+            lm_head_parts(self.accelerator.unwrap_model(self.model), flag="fused_lm_head=True")  # raises now for a head it cannot fuse
 
     # ---- Lopti: each generation batch trained twice, low tokens first ----
 
