@@ -192,6 +192,8 @@ def test_example_script_flags_parse_with_our_parser(script, tmp_path):
     cfg = lopti_config(args)
     assert cfg.ar_alpha == (0.1 if "math" in name else 0.3 if "_ar" in name else 0.0)
     assert cfg.lopti_eta == (0.5 if "lopti" in name else 0.0)
+    # the GRPO baseline is upstream's step exactly (tests/test_openrlhf_trainer.py); the others use the kernels
+    assert cfg.fused_loss == ("off" if name == "train_kk_grpo.sh" else "auto")
     assert args.actor.eps_clip_low_high == [0.2, 0.24]
     assert args.actor.adam.lr == 1e-6 and args.algo.kl.init_coef == 0.001
     if "reinforce" in name:

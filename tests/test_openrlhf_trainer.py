@@ -617,6 +617,31 @@ def test_everything_off_is_upstream_exactly(env, eager_entropy):
     assert ours.status == upstream.status
 
 
+def test_the_grpo_baseline_script_trains_exactly_as_upstream(env, eager_entropy, tmp_path):
+    """``examples/scripts/train_kk_grpo.sh``, the baseline the AR / Lopti scripts are compared with: its loss flags
+    (clip, aggregation, KL, entropy, advantage estimator, ``--actor.fused_loss off``) on our trainer give, bit for
+    bit, the gradients and parameters of upstream's ``ActorPPOTrainer``."""
+    from .scripts import REPO, script_launch
+
+    argv = script_launch(REPO / "examples" / "scripts" / "train_kk_grpo.sh", tmp_path)[1]
+    wanted = ("--actor.eps_clip_low_high", "--actor.loss_agg_mode", "--actor.entropy_coef", "--actor.fused_loss",
+              "--algo.kl.", "--algo.advantage.estimator", "--algo.ar.", "--algo.lopti.")  # fmt: skip
+    flags, keep = [], False
+    for word in argv:
+        if word.startswith("--"):
+            keep = word.startswith(wanted)
+        if keep:
+            flags.append(word)
+    assert "--actor.fused_loss" in flags and not any(f.startswith(("--algo.ar.", "--algo.lopti.")) for f in flags)
+    args = make_args(*flags)
+    ours = train_round(env, Lopti, args, gas=2, record_grads=True)
+    upstream = train_round(env, Upstream, args, gas=2, record_grads=True)
+    assert ours.trainer.fused_backend is None and len(ours.strategy.steps) == len(upstream.strategy.steps) == 2
+    for a, b in zip(ours.strategy.steps, upstream.strategy.steps):
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+    assert params_equal(ours, upstream)
+
+
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("alpha", ["0", "0.3"])

@@ -75,7 +75,7 @@ set -x
   --actor.loss_agg_mode token-mean \
   "${KL_ARGS[@]}" \
   --actor.entropy_coef 0 \
-  --actor.fused_loss auto \
+  --actor.fused_loss off \
   --ckpt.output_dir "$SAVE_DIR/$RUN_NAME" \
   --ckpt.path "$SAVE_DIR/$RUN_NAME/ckpt" \
   --ckpt.save_steps 20 \
