@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Knights & Knaves, GRPO baseline with the paper's hyper-parameters (arXiv 2505.12929, Appendix B), single node
 # with 8 GPUs. The +AR / +Lopti / +AR+Lopti scripts run this one with their flags appended; any extra
-# arguments are passed to the trainer too (later flags win), e.g.
+# arguments are passed to the trainer too (later flags win). The baseline runs `--actor.fused_loss off`: every step
+# is upstream's PolicyLoss, bit for bit; the other scripts append `--actor.fused_loss auto` (the fused kernels). E.g.
 #   MODEL=Qwen/Qwen2.5-7B-Instruct-1M bash examples/scripts/train_kk_grpo.sh --train.num_episodes 2
 set -euo pipefail
 

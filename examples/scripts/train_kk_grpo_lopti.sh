@@ -4,4 +4,5 @@ set -euo pipefail
 RUN_NAME=${RUN_NAME:-kk_grpo_lopti} exec bash "$(dirname "$0")/train_kk_grpo.sh" \
   --algo.lopti.eta 0.5 \
   --algo.lopti.order low_first \
+  --actor.fused_loss auto \
   "$@"

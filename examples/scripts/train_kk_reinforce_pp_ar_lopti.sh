@@ -7,4 +7,5 @@ KL_IN_REWARD=1 RUN_NAME=${RUN_NAME:-kk_reinforce_pp_ar_lopti} exec bash "$(dirna
   --algo.advantage.estimator reinforce \
   --algo.ar.alpha 0.3 \
   --algo.lopti.eta 0.5 \
+  --actor.fused_loss auto \
   "$@"
