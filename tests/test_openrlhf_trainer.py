@@ -933,6 +933,40 @@ def test_moe_aux_loss_counts_once_per_rl_step(env, float64):
     assert routers > 0
 
 
+def test_lopti_keeps_upstreams_sequence_gate_on_the_whole_response(env):
+    """``--algo.advantage.is_correction_level seq`` (seq-mask-TIS): upstream keeps or drops each sequence on the
+    geometric mean of its train/rollout ratios over the whole response. Here each response's first half has rollout
+    p 0.1 and log-ratio +2, the rest p 0.9 and -2: the whole-response mean is inside the band [0.5, 5], each half's
+    is not. Lopti's low phase (the first halves) must still train; gated on its own tokens it was all filtered."""
+
+    def half_and_half(experience):
+        mask = experience.action_mask
+        low = mask & (mask.cumsum(-1) <= mask.sum(-1, keepdim=True) // 2)
+        experience.action_log_probs = torch.log(torch.where(low, 0.1, 0.9)) * mask
+        experience.rollout_log_probs = (experience.action_log_probs - torch.where(low, 2.0, -2.0)) * mask
+
+    flags = ["--algo.lopti.eta", "0.5", "--algo.advantage.is_correction_level", "seq"]
+    run = train_round(env, Lopti, make_args(*flags), edit=half_and_half, record_grads=True)
+    assert run.trainer.fused_backend is None  # the fused loss does not take IS correction: upstream's PolicyLoss
+    ratios = run.experience.action_log_probs - run.experience.rollout_log_probs
+    response = run.experience.action_mask
+    means = (ratios * response).sum(-1) / response.sum(-1)
+    assert ((means.exp() >= 0.5) & (means.exp() <= 5.0)).all()  # every sequence inside the band as a whole
+    steps = run.strategy.steps
+    assert [step["phase"] for step in steps] == ["low"] * 4 + ["high"] * 4
+    for phase in ("low", "high"):
+        assert any(any(g.abs().max() > 0 for g in step["grads"]) for step in steps if step["phase"] == phase), phase
+    assert run.status["lopti/low/policy_loss"] != 0
+
+
+def test_lopti_with_a_sequence_gate_needs_token_mean_aggregation(capsys):
+    flags = ["--algo.lopti.eta", "0.5", "--algo.advantage.is_correction_level", "seq", "--algo.lopti.denominator", "phase"]
+    with pytest.raises(SystemExit):
+        make_args(*flags, "--actor.loss_agg_mode", "seq-mean-token-mean")
+    assert "--algo.advantage.is_correction_level seq and --actor.loss_agg_mode seq-mean-token-mean" in capsys.readouterr().err
+    make_args(*flags)  # token-mean: fine
+
+
 def test_ar_changes_the_update_and_logs_the_mean_weight(env):
     plain = train_round(env, Lopti, make_args())
     ar = train_round(env, Lopti, make_args("--algo.ar.alpha", "0.3"))

@@ -240,6 +240,12 @@ def check_config(args: Any) -> None:
             "metric (e.g. eval_<datasource>_pass1) or drop --train.async_enable"
         )
     agg_mode = _arg(args, "actor.loss_agg_mode", "token-mean")
+    if cfg.lopti_enabled and _arg(args, "algo.advantage.is_correction_level", "off") == "seq" and agg_mode != "token-mean":
+        raise ValueError(
+            f"Lopti with --algo.advantage.is_correction_level seq and --actor.loss_agg_mode {agg_mode}: the sequence "
+            "gate reads the whole response while each phase's per-sequence means count the phase's tokens; use "
+            "--actor.loss_agg_mode token-mean"
+        )
     if cfg.lopti_enabled and cfg.lopti_denominator == "all" and agg_mode != "token-mean":
         raise ValueError(
             f"--algo.lopti.denominator all with --actor.loss_agg_mode {agg_mode}: the per-sequence means would "

@@ -392,7 +392,8 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
                     experience.advantages = reweight_advantages(
                         experience.advantages, experience.action_log_probs, self.lopti.ar_alpha
                     )
-                status = super().training_step(experience, kl_ctl, step, loss_batch_info)
+                with self._sequence_gate_on_the_whole_response(response_mask):
+                    status = super().training_step(experience, kl_ctl, step, loss_batch_info)
             else:
                 with self._fused_policy_loss(experience):
                     status = super().training_step(experience, kl_ctl, step, loss_batch_info)
@@ -518,6 +519,36 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
                 for handle in handles:
                     handle.remove()
                 self.actor_loss_fn = policy_loss
+
+    @contextmanager
+    def _sequence_gate_on_the_whole_response(self, response_mask: torch.Tensor) -> Iterator[None]:
+        """In a Lopti phase, upstream's sequence-level importance-sampling gate (``--algo.advantage.is_correction_level
+        seq``) reads the whole response, as it does without Lopti, not the phase's tokens.
+
+        Upstream's ``PolicyLoss`` gates each sequence on ``masked_mean(log pi_train - log pi_rollout, action_mask)``,
+        and in a phase ``action_mask`` holds the phase's tokens only: each sequence would be kept or dropped on part
+        of its tokens, differently per phase, and one with no token of the phase counted as filtered. Here the loss
+        call gets the whole response as its mask: the other phase's tokens have advantage 0, so they add exactly 0
+        to the loss and to its token-mean sum (``check_config`` allows token-mean aggregation only with this), and the
+        gate, ``vllm_kl`` and the filtered share are upstream's over the whole response. ``ppo_clip_ratio`` and
+        ``ppo_kl`` stay the phase's: they come from a second, gradient-free call on the phase's mask.
+        """
+        policy_loss = self.actor_loss_fn
+        if self.lopti_phase is None or getattr(policy_loss, "is_correction_level", "off") != "seq":
+            yield
+            return
+
+        def gated_on_the_whole_response(log_probs, old_log_probs, advantages, action_mask=None, **info):
+            loss, _, _, vllm_kl, filtered = policy_loss(log_probs, old_log_probs, advantages, response_mask, **info)
+            with torch.no_grad():
+                _, clip_ratio, ppo_kl, _, _ = policy_loss(log_probs, old_log_probs, advantages, action_mask, **info)
+            return loss, clip_ratio, ppo_kl, vllm_kl, filtered
+
+        self.actor_loss_fn = gated_on_the_whole_response
+        try:
+            yield
+        finally:
+            self.actor_loss_fn = policy_loss
 
     def _raise_on_every_rank_if_any_failed(self, error: Optional[BaseException]) -> None:
         """Raise on every data-parallel rank if ``fused_policy_loss`` raised on any, naming the rank and the step.
