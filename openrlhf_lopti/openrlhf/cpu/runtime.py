@@ -154,11 +154,12 @@ def launch_on_cpu(args: Any) -> None:
     setup_cpu_worker()  # this process imports upstream's train module too
     import openrlhf.cli.train_ppo_ray as upstream
 
-    from ..launch import train
+    from ..launch import module_globals_set, train
     from .engine import create_cpu_vllm_engines, engine_dtype
     from .strategy import get_cpu_strategy
 
     init_ray(args)
-    upstream.get_strategy = get_cpu_strategy  # train() builds the strategy with this module global
-    upstream.create_vllm_engines = partial(create_cpu_vllm_engines, dtype=engine_dtype(args.ds.param_dtype))
-    train(args)
+    # train() builds the strategy and the engines with these module globals (upstream's again when it returns)
+    engines = partial(create_cpu_vllm_engines, dtype=engine_dtype(args.ds.param_dtype))
+    with module_globals_set(upstream, get_strategy=get_cpu_strategy, create_vllm_engines=engines):
+        train(args)
