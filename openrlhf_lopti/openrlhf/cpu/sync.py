@@ -34,8 +34,10 @@ def gloo_init_process_group(master_address, master_port, rank, world_size, devic
 
 
 def use_gloo_for_weight_sync() -> None:
-    """Make upstream's policy actor (``openrlhf.trainer.ray.ppo_actor``, in this process) build its weight-sync
-    group with :func:`gloo_init_process_group`."""
-    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+    """Make upstream's policy actor build its weight-sync group with :func:`gloo_init_process_group`, where its
+    module (``openrlhf.trainer.ray.ppo_actor``, which defines the policy actor's class) is loaded in this process."""
+    import sys
 
-    ppo_actor.stateless_init_process_group = gloo_init_process_group
+    ppo_actor = sys.modules.get("openrlhf.trainer.ray.ppo_actor")
+    if ppo_actor is not None:
+        ppo_actor.stateless_init_process_group = gloo_init_process_group
