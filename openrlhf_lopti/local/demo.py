@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="openrlhf-lopti demo",
         description="Warm up a tiny model on 2-person Knights and Knaves, then train it with GRPO, +AR, "
-        "+Lopti and +AR+Lopti (same seed and budget) and compare. No downloads; about 3-4 minutes on 2 CPU cores.",
+        "+Lopti and +AR+Lopti (same seed and budget) and compare. No downloads; about 4-5 minutes on 2 CPU cores.",
     )
     p.add_argument("--out", default=None, help="output directory (default: runs/demo-<timestamp>)")
     p.add_argument("--steps", type=int, default=80, help="RL steps per method (default 80)")
