@@ -17,7 +17,6 @@ import socket
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 

@@ -44,7 +44,7 @@ from openrlhf_lopti.openrlhf.cpu.strategy import get_cpu_strategy  # noqa: E402
 from openrlhf_lopti.openrlhf.fused import fused_log_probs  # noqa: E402
 from openrlhf_lopti.openrlhf.trainer import LoptiActorPPOTrainer, merge_phase_status  # noqa: E402
 
-from .numerics import Float64Shadow, assert_all_same_computation, assert_same_computation, scalars_same_computation  # noqa: E402
+from .numerics import Float64Shadow, assert_all_same_computation, scalars_same_computation  # noqa: E402
 
 VOCAB, PROMPT, RESPONSE = 64, 5, 6
 PROMPTS, SAMPLES = 2, 4  # 8 responses: 2 prompts x 4 samples (GRPO groups)

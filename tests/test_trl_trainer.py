@@ -11,7 +11,6 @@
 at most a few times further from it than the hand-written round's own fp32 run is (tests/numerics.py).
 """
 
-import copy
 
 import pytest
 import torch

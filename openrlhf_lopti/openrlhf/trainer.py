@@ -44,7 +44,6 @@ from openrlhf_lopti.algo import (
     PolicyLossOutput,
     ar_weight,
     direction_metrics,
-    lopti_phases,
     reweight_advantages,
     sum_direction_counts,
 )
@@ -176,7 +175,9 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             # Each token's phase is decided here, once, and every later use (the counts, the "phase" denominators,
             # each micro-batch's step on the device) reads this decision: splitting again elsewhere could round
             # exp differently (another device) and put a token at the threshold in both phases or in neither.
-            low = lopti_phases(old_log_probs, response, eta=self.lopti_threshold)[0]  # low_first: [low, high]
+            # (lopti_phases' rule, p < threshold, without its NaN check: one rank raising before the all_reduce
+            # below would leave the others waiting; a NaN token counts as high, as it always has here)
+            low = response & (old_log_probs.exp() < self.lopti_threshold)
             sizes = [item.action_log_probs.numel() for item in items]
             self._low_tokens = {
                 id(item): part.reshape(item.action_log_probs.shape) for item, part in zip(items, low.split(sizes))
@@ -319,7 +320,9 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         if probs.numel() == 0:
             return self.lopti.lopti_eta
         threshold = quantile_threshold(probs, self.lopti.lopti_quantile)
-        return min(max(threshold, torch.finfo(torch.float32).tiny), 1.0)  # lopti_phases wants eta in (0, 1]
+        # eta in (0, 1] like --algo.lopti.eta: a quantile of probabilities that underflow to 0 would otherwise put
+        # no token in the low phase, not even those of p = 0
+        return min(max(threshold, torch.finfo(torch.float32).tiny), 1.0)
 
     def _phase_mask(self, action_mask: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
         """Bool mask (shape of ``action_mask``) of the running phase's tokens, from ``low``: the round's decision of
