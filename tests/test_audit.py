@@ -172,6 +172,9 @@ def test_audit_command_any_model_quantile_bins(tmp_path, setup):
     assert "|grad| params" not in format_table(result)
 
 
+AUDIT_CFG = TrainConfig(model="m", out="o", lr=1e-3, weight_decay=0.1)
+
+
 def test_checkpoint_optimizer_continues_training_adamw_state():
     """``make_optimizer("checkpoint")`` takes the moments and step count of a saved AdamW: its next step is
     Adam's formula on those moments (written out here), not a fresh AdamW's ~lr * sign(grad); the saved
@@ -191,7 +194,7 @@ def test_checkpoint_optimizer_continues_training_adamw_state():
         results = {}
         for kind in ("checkpoint", "fresh-adamw"):
             copy_net = copy.deepcopy(net)
-            opt = make_optimizer(copy_net.parameters(), kind, lr=1e-3, weight_decay=0.1, state=saved)
+            (opt,) = make_optimizer(copy_net.parameters(), kind, AUDIT_CFG, states=[saved])
             copy_net(x).pow(2).sum().backward()
             grads = [p.grad.clone() for p in copy_net.parameters()]
             opt.step()
@@ -222,9 +225,37 @@ def test_checkpoint_optimizer_continues_training_adamw_state():
                                     a_name="make_optimizer", b_name="written out", precision=False)  # fmt: skip
     assert all(torch.equal(saved["state"][i]["exp_avg"], trained.state_dict()["state"][i]["exp_avg"]) for i in (0, 1))
     with pytest.raises(ValueError, match="checkpoint"):
-        make_optimizer(net.parameters(), "checkpoint", lr=1e-3)
+        make_optimizer(net.parameters(), "checkpoint", AUDIT_CFG)
     with pytest.raises(ValueError, match="optimizer"):
-        make_optimizer(net.parameters(), "adam", lr=1e-3)
+        make_optimizer(net.parameters(), "adam", AUDIT_CFG)
+
+
+def test_checkpoint_optimizer_continues_training_sgd_momentum():
+    """A run trained with SGD (momentum 0.9) is audited with SGD and its momentum buffers: the step is
+    ``-lr * (0.9 * buf + g)``, not AdamW's; per-phase runs get one optimizer per phase from their states."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    sgd_cfg = dataclasses.replace(AUDIT_CFG, optimizer="sgd", momentum=0.9, weight_decay=0.0)
+    trained = torch.optim.SGD(net.parameters(), lr=1e-2, momentum=0.9)
+    for _ in range(2):
+        trained.zero_grad()
+        net(torch.randn(5, 3)).pow(2).sum().backward()
+        trained.step()
+    saved = copy.deepcopy(trained.state_dict())
+    copy_net = copy.deepcopy(net)
+    (opt,) = make_optimizer(copy_net.parameters(), "checkpoint", sgd_cfg, states=[saved])
+    assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["lr"] == AUDIT_CFG.lr
+    copy_net(torch.randn(5, 3)).pow(2).sum().backward()
+    grads = [p.grad.clone() for p in copy_net.parameters()]
+    opt.step()
+    for i, (new, old, g) in enumerate(zip(copy_net.parameters(), net.parameters(), grads)):
+        expected = -AUDIT_CFG.lr * (0.9 * saved["state"][i]["momentum_buffer"] + g)
+        torch.testing.assert_close(new.detach() - old.detach(), expected, rtol=1e-5, atol=1e-9)
+    per_phase = dataclasses.replace(sgd_cfg, lopti=True, lopti_moments="per-phase")
+    pair = make_optimizer(net.parameters(), "checkpoint", per_phase, states=[saved, saved])
+    assert len(pair) == 2 and pair[0] is not pair[1]
+    with pytest.raises(ValueError, match="1 saved optimizer state"):
+        make_optimizer(net.parameters(), "checkpoint", per_phase, states=[saved])
 
 
 def test_audit_command_from_a_training_checkpoint(tmp_path, setup, capsys):
@@ -238,7 +269,8 @@ def test_audit_command_from_a_training_checkpoint(tmp_path, setup, capsys):
     argv = ["audit", "--checkpoint", str(run), "--out", str(out), "--param-grad-tokens", "0", "--methods", "grpo,ar"]
     assert cli_main(argv) == 0
     result = json.loads((out / "audit.json").read_text())
-    assert result["checkpoint"] == {"run_dir": str(run), "step": 2, "run_seed": 5}
+    assert result["checkpoint"] == {"run_dir": str(run), "step": 2, "run_seed": 5, "optimizer": "adamw",
+                                    "momentum": 0.0, "lopti_moments": "shared"}  # fmt: skip
     settings = result["settings"]
     assert settings["optimizer"] == "checkpoint" and settings["lr"] == 3e-3 and settings["temperature"] == 0.9
     assert (settings["prompts"], settings["n_samples"], settings["max_new_tokens"]) == (2, 4, 8)
@@ -254,3 +286,30 @@ def test_audit_command_from_a_training_checkpoint(tmp_path, setup, capsys):
     assert cli_main(["audit", "--checkpoint", str(run), "--model", str(tmp_path / "m")]) == 2
     assert cli_main(["audit", "--optimizer", "checkpoint", "--out", str(tmp_path / "d")]) == 2
     assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_audit_command_from_an_sgd_and_a_per_phase_checkpoint(tmp_path, setup, capsys):
+    """``audit --checkpoint`` of a run trained with SGD + momentum steps with SGD and that run's momentum
+    buffers (what the run's next step would do); a per-phase Lopti run gives each phase its own state."""
+    model, tok, _, _ = setup
+    save_model(model, tok, tmp_path / "m", prompt_style="compact")
+    common = dict(model=str(tmp_path / "m"), steps=2, prompts_per_step=2, n_samples=4, max_new_tokens=8,
+                  temperature=0.9, lr=0.05, seed=5, loss_backend="torch", progress=False)  # fmt: skip
+    runs = {"sgd": dict(optimizer="sgd", momentum=0.9), "phase": dict(lopti=True, lopti_moments="per-phase")}
+    for name, extra in runs.items():
+        LocalTrainer(TrainConfig(out=str(tmp_path / name), **common, **extra)).run()
+    out = tmp_path / "a"
+    argv = ["audit", "--checkpoint", str(tmp_path / "sgd"), "--out", str(out), "--param-grad-tokens", "0",
+            "--methods", "grpo,lopti"]  # fmt: skip
+    assert cli_main(argv) == 0
+    result = json.loads((out / "audit.json").read_text())
+    assert result["checkpoint"]["optimizer"] == "sgd" and result["checkpoint"]["momentum"] == 0.9
+    assert result["settings"]["optimizer"] == "checkpoint" and result["settings"]["lr"] == 0.05
+    phase_argv = ["audit", "--checkpoint", str(tmp_path / "phase"), "--param-grad-tokens", "0"]
+    capsys.readouterr()
+    assert cli_main([*phase_argv, "--out", str(tmp_path / "b")]) == 2  # grpo and ar have no phases
+    assert "--methods lopti,ar+lopti" in capsys.readouterr().err
+    assert cli_main([*phase_argv, "--out", str(tmp_path / "c"), "--methods", "lopti,ar+lopti"]) == 0
+    result = json.loads((tmp_path / "c" / "audit.json").read_text())
+    assert result["checkpoint"]["lopti_moments"] == "per-phase"
+    assert list(result["correct_direction_by_quartile"]) == ["lopti", "ar+lopti"]

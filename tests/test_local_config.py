@@ -17,7 +17,8 @@ def make(**kw):
         ("alpha", 1.5), ("eta", -0.1), ("lopti_order", "sideways"), ("lopti_quantile", 1.0), ("steps", 0),
         ("n_samples", 1), ("people", [1]), ("temperature", 0.0), ("lr", float("nan")), ("grad_clip", -1.0),
         ("eps_low", 1.0), ("kl_estimator", "k4"), ("dtype", "float16"), ("loss_backend", "cuda"),
-        ("estimator", "ppo"), ("micro_batch_size", -1), ("prompt_style", "fancy"),
+        ("estimator", "ppo"), ("micro_batch_size", -1), ("prompt_style", "fancy"), ("optimizer", "adam"),
+        ("momentum", 1.0), ("momentum", 0.9), ("lopti_moments", "split"),  # momentum 0.9 with the default adamw
     ],
 )  # fmt: skip
 def test_bad_values_raise_naming_the_field(field, value):

@@ -61,19 +61,34 @@ def test_a_run_writes_metrics_checkpoint_plots_and_a_loadable_model(model_dir, t
     assert len(moved) == len(start.state_dict()) and any(moved)
 
 
-def test_resume_after_a_crash_continues_exactly(model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "optimizer",
+    [{}, {"optimizer": "sgd", "momentum": 0.9, "lr": 0.3}, {"lopti_moments": "per-phase"}],
+    ids=["adamw", "sgd-momentum", "per-phase-adamw"],
+)
+def test_resume_after_a_crash_continues_exactly(model_dir, tmp_path, optimizer):
     """Kill simulated after step 2's checkpoint and half of step 3's log line: the resumed run drops the
-    torn line, redoes step 3 and ends with the same metrics as a run that never stopped."""
-    full = LocalTrainer(config(model_dir, tmp_path / "full", lopti=True)).run()
+    torn line, redoes step 3 and ends with the same metrics as a run that never stopped (the optimizer's
+    state, SGD's momentum buffers or each phase's AdamW moments, restored with it)."""
+    full_trainer = LocalTrainer(config(model_dir, tmp_path / "full", lopti=True, **optimizer))
+    full = full_trainer.run()
     crashed = tmp_path / "crashed"
-    LocalTrainer(config(model_dir, crashed, lopti=True, steps=2)).run()
+    LocalTrainer(config(model_dir, crashed, lopti=True, steps=2, **optimizer)).run()
     with open(crashed / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "rew')  # the line being written when the process died
-    resumed = LocalTrainer(config(model_dir, crashed, lopti=True), resume=True)
+    resumed = LocalTrainer(config(model_dir, crashed, lopti=True, **optimizer), resume=True)
     assert resumed.step == 2
     rows = resumed.run()
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert strip(rows) == strip(full)
+    kind = torch.optim.SGD if optimizer.get("optimizer") == "sgd" else torch.optim.AdamW
+    expected = 2 if optimizer.get("lopti_moments") == "per-phase" else 1
+    assert [type(o) for o in resumed.optimizers] == [kind] * expected
+    for a, b in zip(full_trainer.optimizers, resumed.optimizers, strict=True):
+        for p, q in zip(a.state.values(), b.state.values(), strict=True):
+            assert p.keys() == q.keys() and all(torch.equal(p[k], q[k]) for k in p)
+    if kind is torch.optim.SGD:
+        assert resumed.optimizers[0].param_groups[0]["momentum"] == 0.9
 
 
 def test_resume_refuses_changed_settings_and_out_dir_rules(model_dir, tmp_path):
@@ -133,6 +148,12 @@ def test_cli_precedence_defaults_saved_preset_flags(tmp_path):
         config_from_args(parse(["--out", "o"]))
     with pytest.raises(UserError, match="--resume needs --out"):
         config_from_args(parse(["--resume"]))
+    cfg = config_from_args(parse(["--model", "m", "--out", "o", "--optimizer", "sgd", "--momentum", "0.5"]))
+    assert (cfg.optimizer, cfg.momentum, cfg.lopti_moments) == ("sgd", 0.5, "shared")
+    with pytest.raises(UserError, match="^--momentum is an sgd setting"):
+        config_from_args(parse(["--model", "m", "--out", "o", "--momentum", "0.5"]))
+    with pytest.raises(UserError, match="^--optimizer must be one of"):
+        config_from_args(parse(["--model", "m", "--out", "o", "--optimizer", "adam"]))
     assert read_metrics(tmp_path / "r" / "config.json") == [saved]
 
 

@@ -15,7 +15,7 @@ from openrlhf_lopti.local.experience import Experience, make_experience
 from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer
 from openrlhf_lopti.local.rollout import Rollout, generate_rollouts, response_logits, response_logprobs
 from openrlhf_lopti.local.task import compact_prompt, puzzles
-from openrlhf_lopti.local.update import phase_part, update_policy
+from openrlhf_lopti.local.update import build_optimizers, phase_part, update_policy
 
 from .kernel_cases import allow_float64_logits, textbook_policy_loss
 from .numerics import Float64Shadow, assert_all_same_computation, assert_same_computation, scalars_same_computation
@@ -184,6 +184,36 @@ def test_lopti_runs_two_phases_in_order_on_updated_weights(peaked, monkeypatch, 
     first64 = spy64.calls[0]["logits"]
     sorted_logits = [x.sort(0).values for x in (first["logits"], start[expected[0]], first64, start64[expected[0]])]
     assert_same_computation("phase-1 logits", *sorted_logits, "phase 1", "start")
+
+
+def test_per_phase_moments_keep_phase_1_out_of_phase_2s_step(peaked):
+    """``lopti_moments="per-phase"``: phase 2 steps with its own optimizer. With SGD momentum 0.9 and one
+    mini-batch, the paper's shared optimizer ends the round with momentum buffer ``0.9 g1 + g2`` (phase 2's step
+    carries phase 1's gradient); per-phase, phase 1's buffer is ``g1`` and phase 2's is ``g2``, the same
+    gradients (phase 1 is identical in both, so phase 2 starts from the same weights), and phase 2 moved the
+    weights by ``-lr g2`` alone."""
+    model, tok = peaked
+    exp = fixed_experience(model, tok, temperature=1.0)
+    settings = dict(lopti=True, eta=0.5, lr=1e-2, optimizer="sgd", momentum=0.9, grad_clip=0.0)
+    shared_cfg, split_cfg = cfg_for(**settings), cfg_for(**settings, lopti_moments="per-phase")
+    shared_model, split_model = copy.deepcopy(model), copy.deepcopy(model)
+    shared = build_optimizers(list(shared_model.parameters()), shared_cfg)
+    split = build_optimizers(list(split_model.parameters()), split_cfg)
+    assert len(shared) == 1 and len(split) == 2 and split[0] is not split[1]
+    assert len(build_optimizers(list(model.parameters()), cfg_for(lopti_moments="per-phase"))) == 1  # no Lopti
+    update_policy(shared_model, shared, exp, shared_cfg, torch.Generator().manual_seed(0))
+    update_policy(split_model, split, exp, split_cfg, torch.Generator().manual_seed(0))
+    params = list(model.parameters())
+    for i, p in enumerate(params):
+        g1 = split[0].state[list(split_model.parameters())[i]]["momentum_buffer"]
+        g2 = split[1].state[list(split_model.parameters())[i]]["momentum_buffer"]
+        buffer = shared[0].state[list(shared_model.parameters())[i]]["momentum_buffer"]
+        torch.testing.assert_close(buffer, 0.9 * g1 + g2, rtol=1e-5, atol=1e-7)
+        moved = list(split_model.parameters())[i].detach() - p.detach()
+        torch.testing.assert_close(moved, -1e-2 * (g1 + g2), rtol=1e-5, atol=1e-7)
+    assert any(float(split[1].state[q]["momentum_buffer"].abs().max()) > 0 for q in split_model.parameters())
+    with pytest.raises(ValueError, match="one per phase"):
+        update_policy(copy.deepcopy(model), split * 2, exp, split_cfg)
 
 
 def test_lopti_token_mean_uses_all_response_tokens(peaked, float64):

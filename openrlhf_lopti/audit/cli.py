@@ -13,8 +13,9 @@ into ``--out`` and prints the table. Without ``--model`` it first builds and war
 (about 20 s on 2 CPU cores) into ``--out/warmup_model``.
 
 ``--checkpoint RUN_DIR`` audits a ``train`` run where it stands: the checkpointed weights, the batch the
-run would sample next, and an update with the run's own AdamW state (``--optimizer checkpoint``), i.e. the
-update training would make. Without it the update uses a fresh AdamW (``--optimizer fresh-adamw``: its
+run would sample next, and an update with the run's own optimizer and its state (``--optimizer checkpoint``:
+AdamW or SGD, as the run trained; one per phase for a ``--lopti-moments per-phase`` run), i.e. the update
+training would make. Without it the update uses a fresh AdamW (``--optimizer fresh-adamw``: its
 first step is about ``lr * sign(grad)`` per parameter, which erases the gradient-size imbalance the paper
 is about) or SGD.
 """
@@ -33,7 +34,7 @@ from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig
 from openrlhf_lopti.local.experience import make_experience
 from openrlhf_lopti.local.model import load_model, quiet_transformers
 from openrlhf_lopti.local.task import prompt_for, resolve_prompt_style, train_puzzles
-from openrlhf_lopti.local.checkpoint import CHECKPOINT_FILE
+from openrlhf_lopti.local.checkpoint import CHECKPOINT_FILE, optimizer_states as checkpoint_optimizer_states
 from openrlhf_lopti.local.trainer import FINAL_MODEL_DIR, check_run_dir, resolve_device
 from openrlhf_lopti.local.warmup import build_warm_model
 
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="openrlhf-lopti audit", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="local HF checkpoint (default: build and warm up the demo model)")
     p.add_argument("--checkpoint", default=None, metavar="RUN_DIR",
-                   help="a `train` run directory: audit its checkpointed weights with its AdamW state, on the batch "
+                   help="a `train` run directory: audit its checkpointed weights with its optimizer state, on the batch "
                    "the run would sample next, with the run's sizes and temperature unless given")  # fmt: skip
     p.add_argument("--out", default=None, help="output directory (default runs/audit-<timestamp>)")
     p.add_argument("--prompts", type=int, default=None, help="puzzles in the batch (default 32; the run's)")
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate of the one update (default 5e-4; with --checkpoint the run's)")  # fmt: skip
     p.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
-                   help="optimizer of the one update: checkpoint (training's AdamW state; the default with "
+                   help="optimizer of the one update: checkpoint (training's optimizer and state; the default with "
                    "--checkpoint), fresh-adamw (a new AdamW, whose first step is about lr * sign(grad); the default "
                    "otherwise) or sgd (the raw gradient direction)")  # fmt: skip
     p.add_argument("--eta", type=float, default=None, help="Lopti threshold (default 0.5; the run's)")
@@ -97,7 +98,7 @@ DEFAULTS = {"prompts": 32, "n_samples": 8, "temperature": 0.7, "people": [2], "l
 
 def load_checkpointed_run(run_dir: str | os.PathLike, device: torch.device) -> tuple:
     """``(model, tokenizer, prompt style, run config, checkpoint payload)`` of a ``train`` run directory:
-    the model (float32) carries the checkpoint's weights; the payload holds the AdamW state and step.
+    the model (float32) carries the checkpoint's weights; the payload holds the optimizer state and step.
 
     Reads ``checkpoint.pt`` without touching the directory, so a run still training is safe to audit.
     """
@@ -121,7 +122,8 @@ def load_checkpointed_run(run_dir: str | os.PathLike, device: torch.device) -> t
 def run_audit(args: argparse.Namespace, out: Path) -> dict:
     """Everything but the argument handling: returns the result dict (also written to ``out``)."""
     device = resolve_device(args.device)
-    defaults, optimizer_state, batch_step, run_seed = dict(DEFAULTS), None, 0, args.seed
+    defaults, optimizer_states, batch_step, run_seed = dict(DEFAULTS), None, 0, args.seed
+    run_optimizer = {}  # the run's optimizer settings (checkpoint); a fresh audit's TrainConfig defaults otherwise
     if args.checkpoint:
         model, tokenizer, style, run_cfg, ckpt = load_checkpointed_run(args.checkpoint, device)
         model_path = run_cfg.model
@@ -131,8 +133,9 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
             lr=ckpt["optimizer"]["param_groups"][0]["lr"],
         )  # fmt: skip
         style = style if args.prompt_style != "auto" or run_cfg.prompt_style == "auto" else run_cfg.prompt_style
-        # The batch the run would sample next, and the moments its AdamW has now.
-        optimizer_state, batch_step, run_seed = ckpt["optimizer"], ckpt["step"], run_cfg.seed
+        # The batch the run would sample next, and the state its optimizer(s) have now.
+        optimizer_states, batch_step, run_seed = checkpoint_optimizer_states(ckpt), ckpt["step"], run_cfg.seed
+        run_optimizer = {k: getattr(run_cfg, k) for k in ("optimizer", "momentum", "lopti_moments")}
         weight_decay = run_cfg.weight_decay
     else:
         model_path = args.model
@@ -156,9 +159,15 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
         model=str(model_path), out=str(out), prompts_per_step=args.prompts, n_samples=args.n_samples,
         max_new_tokens=max_new, temperature=args.temperature, people=people, prompt_style=style, lr=args.lr,
         weight_decay=weight_decay, eta=args.eta, kl_coef=0.0, seed=args.seed, device=str(device),
-        loss_backend=args.loss_backend, mini_batch_size=args.prompts * args.n_samples, progress=False,
+        loss_backend=args.loss_backend, mini_batch_size=args.prompts * args.n_samples, progress=False, **run_optimizer,
     )  # fmt: skip
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.optimizer == "checkpoint" and cfg.lopti_moments == "per-phase":
+        plain = [m for m in methods if not METHODS[m][1]]
+        if plain:
+            raise UserError(f"--checkpoint {args.checkpoint}: the run kept one optimizer state per Lopti phase "
+                            f"(--lopti-moments per-phase), which a method without Lopti ({', '.join(plain)}) cannot "
+                            "step with: pass --methods lopti,ar+lopti, or --optimizer fresh-adamw or sgd")  # fmt: skip
 
     torch.manual_seed(args.seed)
     records = train_puzzles(run_seed, batch_step, args.prompts, people)
@@ -188,7 +197,7 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
         norms = param_grad_norms(model, exp, cfg, picked.to(bins.device))
         result["param_grad_norm_by_quartile"] = per_bin_mean(norms, bins[picked.to(bins.device)].cpu())
         result["param_grad_tokens_by_quartile"] = [int((bins[picked] == k).sum()) for k in range(4)]
-    fractions, _ = correct_direction(model, exp, cfg, bins, methods, args.optimizer, optimizer_state)
+    fractions, _ = correct_direction(model, exp, cfg, bins, methods, args.optimizer, optimizer_states)
     result["correct_direction_by_quartile"] = fractions
     result["batch"] = {
         "reward": float(exp.rewards.mean()),
@@ -200,7 +209,8 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
         for k in ("prompts", "n_samples", "temperature", "optimizer", "lr", "eta", "seed", "param_grad_tokens")
     } | {"max_new_tokens": max_new, "people": people, "prompt_style": style, "alpha_ar": METHODS["ar"][0]}
     if args.checkpoint:
-        result["checkpoint"] = {"run_dir": str(args.checkpoint), "step": batch_step, "run_seed": run_seed}
+        result["checkpoint"] = {"run_dir": str(args.checkpoint), "step": batch_step, "run_seed": run_seed,
+                                **run_optimizer}  # fmt: skip
     return result
 
 

@@ -22,7 +22,7 @@ import torch
 from openrlhf_lopti.local.config import TrainConfig, method_settings
 from openrlhf_lopti.local.experience import Experience
 from openrlhf_lopti.local.rollout import response_logits
-from openrlhf_lopti.local.update import update_policy
+from openrlhf_lopti.local.update import build_optimizers, update_policy
 from openrlhf_lopti.ops import fused_policy_loss
 
 FIXED_EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -142,22 +142,29 @@ def logprobs_fp64(model, exp: Experience, temperature: float) -> torch.Tensor:
 OPTIMIZERS = ("checkpoint", "fresh-adamw", "sgd")
 
 
-def make_optimizer(params, kind: str, lr: float, weight_decay: float = 0.0, state: Optional[dict] = None):
-    """The optimizer of one audited update: ``"checkpoint"`` = AdamW restored from ``state`` (a training
-    checkpoint's ``optimizer.state_dict()``: its moments, step counts and hyper-parameters, lr replaced by
-    ``lr``), ``"fresh-adamw"`` = a new AdamW, ``"sgd"`` = plain SGD."""
+def make_optimizer(params, kind: str, cfg: TrainConfig, states: Optional[list] = None) -> list:
+    """The optimizers of one audited update, as :func:`update_policy` takes them (one, or one per Lopti phase),
+    at ``cfg.lr``: ``"checkpoint"`` = the run's own (``cfg.optimizer`` with its momentum; one per phase with
+    ``lopti_moments="per-phase"``) restored from ``states`` (a checkpoint's ``optimizer_states``: moments, step
+    counts, hyper-parameters; lr replaced by ``cfg.lr``), ``"fresh-adamw"`` = a new AdamW, ``"sgd"`` = plain SGD."""
     if kind not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kind!r}")
+    params = list(params)
     if kind == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    if kind == "checkpoint":
-        if state is None:
-            raise ValueError("optimizer 'checkpoint' needs the checkpoint's optimizer state")
-        opt.load_state_dict(copy.deepcopy(state))  # a copy: every method starts from the same moments
+        return [torch.optim.SGD(params, lr=cfg.lr)]
+    if kind == "fresh-adamw":
+        return [torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)]
+    if states is None:
+        raise ValueError("optimizer 'checkpoint' needs the checkpoint's optimizer states")
+    optimizers = build_optimizers(params, cfg)
+    if len(states) != len(optimizers):
+        raise ValueError(f"optimizer 'checkpoint': {len(states)} saved optimizer state(s) for {len(optimizers)} "
+                         f"optimizer(s) of method {cfg.method!r} (lopti_moments {cfg.lopti_moments!r})")  # fmt: skip
+    for opt, state in zip(optimizers, states):
+        opt.load_state_dict(copy.deepcopy(state))  # a copy: every method starts from the same state
         for group in opt.param_groups:
-            group["lr"] = lr
-    return opt
+            group["lr"] = cfg.lr
+    return optimizers
 
 
 def correct_direction(
@@ -167,19 +174,19 @@ def correct_direction(
     bins: torch.Tensor,
     methods: list,
     optimizer: str = "fresh-adamw",
-    optimizer_state: Optional[dict] = None,
+    optimizer_states: Optional[list] = None,
 ) -> tuple:
     """Per method, the fraction of positive-advantage tokens in each bin whose probability rose after one
     update from ``model``'s weights (``model`` itself is not changed).
 
     Each method gets a fresh copy of the weights and its own optimizer (:func:`make_optimizer`, lr
-    ``cfg.lr``): ``"checkpoint"`` restores training's AdamW state (``optimizer_state``), ``"fresh-adamw"``
+    ``cfg.lr``): ``"checkpoint"`` restores training's optimizer state (``optimizer_states``), ``"fresh-adamw"``
     starts a new one, ``"sgd"`` follows the raw gradient. It runs
     :func:`openrlhf_lopti.local.update.update_policy` with the whole batch as one mini-batch: GRPO and AR
     take one optimizer step, Lopti two (low phase, then high phase). A fresh AdamW's first step is about
     ``lr * sign(grad)`` per parameter, which erases the per-parameter gradient-size imbalance the paper
     is about; SGD keeps it (then, to first order in lr, Lopti's two steps add up to GRPO's one); training's
-    own AdamW state is what a training step sees. Probabilities before and after are compared in float64
+    own optimizer state is what a training step sees. Probabilities before and after are compared in float64
     (:func:`logprobs_fp64`).
 
     Returns:
@@ -194,7 +201,7 @@ def correct_direction(
         settings = {**cfg.to_dict(), **method_settings(method), "mini_batch_size": len(exp.rollout), "epochs": 1}
         method_cfg = TrainConfig.from_dict(settings)
         policy = copy.deepcopy(model)
-        opt = make_optimizer(policy.parameters(), optimizer, cfg.lr, cfg.weight_decay, optimizer_state)
+        opt = make_optimizer(policy.parameters(), optimizer, method_cfg, optimizer_states)
         update_policy(policy, opt, exp, method_cfg, torch.Generator().manual_seed(cfg.seed))
         delta = logprobs_fp64(policy, exp, cfg.temperature) - before
         fractions[method] = per_bin_mean((delta > 0).float(), bins, positive)

@@ -39,7 +39,8 @@ def save_checkpoint(
 
     Args:
         model: its ``state_dict`` is saved (on CPU).
-        optimizer: its ``state_dict`` is saved.
+        optimizer: its ``state_dict`` is saved as ``"optimizer"``; or a list of one optimizer per Lopti phase
+            (``lopti_moments="per-phase"``): the first as ``"optimizer"``, the second as ``"optimizer_phase2"``.
         step: number of completed steps.
         metrics_offset: size in bytes of ``metrics.jsonl`` once step ``step`` was logged.
         config: the run's settings (``TrainConfig.to_dict()``).
@@ -47,14 +48,17 @@ def save_checkpoint(
     run_dir = Path(run_dir)
     final = run_dir / CHECKPOINT_FILE
     tmp = run_dir / f".{CHECKPOINT_FILE}.tmp-{os.getpid()}"
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
     payload = {
         "step": step,
         "metrics_offset": metrics_offset,
         "config": config,
         "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizers[0].state_dict(),
         "rng": rng_state(),
     }
+    if len(optimizers) == 2:
+        payload["optimizer_phase2"] = optimizers[1].state_dict()
     with open(tmp, "wb") as f:
         torch.save(payload, f)
         f.flush()
@@ -88,3 +92,8 @@ def load_checkpoint(run_dir: str | os.PathLike) -> Optional[dict]:
         return None
     # Tensors, tuples and plain dicts only, so the safe loader suffices.
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def optimizer_states(ckpt: dict) -> list:
+    """The optimizer state dicts of a checkpoint payload, in phase order (one, or two for a per-phase run)."""
+    return [ckpt["optimizer"]] + ([ckpt["optimizer_phase2"]] if "optimizer_phase2" in ckpt else [])

@@ -28,6 +28,8 @@ HELP = {
     "eta": "Lopti threshold on the rollout probability (paper 0.5)",
     "lopti_order": "low_first (Lopti) or high_first (the paper's collapsing ablation)",
     "lopti_quantile": "use this quantile of token probabilities as the threshold instead of eta",
+    "lopti_moments": "shared (the paper's: both phases step one optimizer, so phase 2 carries the moments phase 1 "
+    "just filled) or per-phase (opt-in: each phase its own optimizer state)",
     "steps": "RL steps (one batch of rollouts each)",
     "prompts_per_step": "prompts (puzzles or --data rows) per step",
     "n_samples": "responses per puzzle (GRPO group size)",
@@ -47,8 +49,10 @@ HELP = {
     "reward_file": "a .py file with OpenRLHF's reward_func(queries, prompts, labels) (what --reward.remote_url "
     "takes), e.g. tasks/reward_math.py; default with K&K: the paper's rule",
     "eval_n_samples": "responses per held-out prompt: 1 = greedy, more = sampled at --temperature",
-    "lr": "AdamW learning rate",
-    "weight_decay": "AdamW weight decay",
+    "optimizer": "adamw, or sgd (plain gradient steps: the update is the clipped gradient times --lr)",
+    "lr": "learning rate",
+    "momentum": "sgd momentum (0: none)",
+    "weight_decay": "weight decay (AdamW: decoupled; sgd: L2, the same for plain SGD)",
     "mini_batch_size": "responses per optimizer step",
     "micro_batch_size": "responses per forward pass (gradient accumulation; 0 = the mini-batch)",
     "epochs": "passes over each batch (per Lopti phase)",

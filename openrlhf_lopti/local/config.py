@@ -15,6 +15,10 @@ from .advantages import ESTIMATORS
 from .task import PROMPT_STYLES
 
 LOSS_BACKENDS = ("auto", "triton", "cpp", "torch")
+OPTIMIZERS = ("adamw", "sgd")
+# Whose optimizer state a Lopti phase steps with: "shared" (the paper's code: one optimizer, so phase 2's step
+# carries the moments phase 1 just filled) or "per-phase" (phase k keeps its own moments from step to step).
+LOPTI_MOMENTS = ("shared", "per-phase")
 
 # The four methods the demo compares: name -> (alpha, lopti). AR's alpha = 0.3 is the paper's K&K value.
 METHODS = {
@@ -49,6 +53,7 @@ class TrainConfig:
     eta: float = 0.5  # Lopti probability threshold
     lopti_order: str = "low_first"
     lopti_quantile: Optional[float] = None
+    lopti_moments: str = "shared"  # "per-phase": each phase its own optimizer state (opt-in; not the paper's)
     steps: int = 100
     prompts_per_step: int = 16
     n_samples: int = 8
@@ -66,7 +71,9 @@ class TrainConfig:
     input_template: Optional[str] = None  # e.g. "User: {}\nAssistant:" (without apply_chat_template)
     reward_file: Optional[str] = None  # a .py file with reward_func(queries, prompts, labels)
     eval_n_samples: int = 1  # responses per held-out prompt: 1 = greedy, more = sampled at `temperature`
+    optimizer: str = "adamw"  # "adamw" or "sgd" (plain gradient steps; momentum below)
     lr: float = 1e-3
+    momentum: float = 0.0  # sgd only
     weight_decay: float = 0.0
     mini_batch_size: int = 64  # responses per optimizer step
     micro_batch_size: int = 0  # responses per forward (gradient accumulation); 0 = the mini-batch
@@ -107,6 +114,8 @@ class TrainConfig:
                 check()
             except ValueError as e:
                 raise ConfigError(name, f"{name} {str(e).split(' ', 1)[1]}") from None
+        if self.lopti_moments not in LOPTI_MOMENTS:
+            raise ConfigError("lopti_moments", f"lopti_moments must be one of {LOPTI_MOMENTS}, got {self.lopti_moments!r}")
         if self.lopti and self.eta == 0:  # eta 0 is "Lopti off", as OpenRLHF's --algo.lopti.eta 0
             raise ConfigError("eta", "eta 0 means Lopti off (as --algo.lopti.eta 0 in the OpenRLHF CLI), but lopti "
                               "is on (--lopti or a lopti --method): give eta in (0, 1], or turn Lopti off")  # fmt: skip
@@ -132,6 +141,13 @@ class TrainConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(name, f"{name} must be a finite number >= 0, got {value!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError("optimizer", f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if not (isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1):
+            raise ConfigError("momentum", f"momentum must be a number in [0, 1), got {self.momentum!r}")
+        if self.momentum and self.optimizer != "sgd":
+            raise ConfigError("momentum", f"momentum is an sgd setting (AdamW's is its beta1), got {self.momentum!r} "
+                              f"with optimizer {self.optimizer!r}")  # fmt: skip
         if not 0 <= self.eps_low < 1:
             raise ConfigError("eps_low", f"eps_low must be in [0, 1), got {self.eps_low!r}")
         if self.kl_estimator not in KL_ESTIMATORS:

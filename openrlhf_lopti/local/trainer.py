@@ -21,7 +21,7 @@ from openrlhf_lopti.algo import approx_kl, ar_weight, direction_counts, directio
 from openrlhf_lopti.errors import UserError, check_model_dir
 from openrlhf_lopti.outputs import prepare_out_dir
 
-from .checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint, set_rng_state
+from .checkpoint import CHECKPOINT_FILE, load_checkpoint, optimizer_states, save_checkpoint, set_rng_state
 from .config import TrainConfig
 from .dataset import PromptSet, epochs_done, load_prompt_set, step_indices
 from .experience import make_experience
@@ -31,7 +31,7 @@ from .plots import plot_runs
 from .reward import RewardFile, check_once, queries_of
 from .rollout import response_logprobs
 from .task import eval_puzzles, prompt_for, resolve_prompt_style, train_puzzles
-from .update import update_policy
+from .update import build_optimizers, update_policy
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -105,7 +105,8 @@ class LocalTrainer:
         if cfg.kl_coef != 0:
             self.ref = copy.deepcopy(self.policy).eval()
             self.ref.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # cfg.optimizer; with lopti_moments "per-phase", one per Lopti phase
+        self.optimizers = build_optimizers(list(self.policy.parameters()), cfg)
         self.step = 0
         self.metrics_path = self.out / METRICS_FILE
         torch.manual_seed(cfg.seed)
@@ -158,7 +159,8 @@ class LocalTrainer:
             raise UserError(f"--resume: {shown} differ from the run in {self.out}: drop those flags to continue "
                             "it, or start a new run in another --out")  # fmt: skip
         self.policy.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        for optimizer, state in zip(self.optimizers, optimizer_states(ckpt), strict=True):
+            optimizer.load_state_dict(state)
         set_rng_state(ckpt["rng"])
         self.step = ckpt["step"]
         # Drop metrics logged after the checkpoint (the step that was in flight is redone).
@@ -186,7 +188,7 @@ class LocalTrainer:
         t1 = time.perf_counter()
         # Shuffling depends only on (seed, step), so a resumed step reshuffles identically.
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
-        update = update_policy(self.policy, self.optimizer, exp, cfg, generator)
+        update = update_policy(self.policy, self.optimizers, exp, cfg, generator)
         t2 = time.perf_counter()
 
         mask = exp.rollout.action_mask
@@ -261,7 +263,7 @@ class LocalTrainer:
 
     def save(self, offset: int) -> None:
         save_checkpoint(
-            self.out, model=self.policy, optimizer=self.optimizer, step=self.step, metrics_offset=offset,
+            self.out, model=self.policy, optimizer=self.optimizers, step=self.step, metrics_offset=offset,
             config=self.cfg.to_dict(),
         )  # fmt: skip
 

@@ -8,7 +8,10 @@ are :func:`openrlhf_lopti.algo.lopti_phases`: the same code the OpenRLHF actor r
   loss mask, so their clipped surrogate, KL and entropy all drop out;
 - the token-mean denominator is every response token of the mini-batch in both phases, not the
   phase's count, so the two phases together weigh tokens as one plain GRPO pass does;
-- ``old_log_probs`` stay the rollout's, while phase 2's forward runs on the weights phase 1 updated.
+- ``old_log_probs`` stay the rollout's, while phase 2's forward runs on the weights phase 1 updated;
+- both phases step one optimizer, so phase 2's AdamW step also carries the first moment phase 1 just filled.
+  ``lopti_moments="per-phase"`` (opt-in, not the paper's) gives each phase its own optimizer instead
+  (:func:`build_optimizers`), whose moments only ever see that phase's gradients.
 
 What cannot change the update is not computed (:func:`phase_part`): a response without a token of the running
 phase adds exactly 0 to the loss and to every gradient (its tokens are all masked), so it gets no forward and
@@ -23,7 +26,7 @@ none, so AdamW steps it where unskipped it would not (TESTING.md, survivors of `
 
 import math
 import time
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -34,6 +37,16 @@ from .config import TrainConfig
 from .experience import Experience
 from .model import lm_head_parts
 from .rollout import Rollout, response_hidden, response_logits
+
+
+def build_optimizers(params: list, cfg: TrainConfig) -> list:
+    """The optimizers of a run over ``params``: ``cfg.optimizer`` (AdamW, or SGD with ``cfg.momentum``) at
+    ``cfg.lr``; one, or one per Lopti phase (same parameters, separate state) with ``lopti_moments="per-phase"``."""
+    count = 2 if cfg.lopti and cfg.lopti_moments == "per-phase" else 1
+    if cfg.optimizer == "sgd":
+        return [torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+                for _ in range(count)]  # fmt: skip
+    return [torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay) for _ in range(count)]
 
 
 def phase_masks(exp: Experience, cfg: TrainConfig) -> list:
@@ -61,9 +74,15 @@ def phase_part(rollout: Rollout, rows: torch.Tensor, phase: torch.Tensor) -> Opt
 
 
 def update_policy(
-    policy, optimizer, exp: Experience, cfg: TrainConfig, generator: Optional[torch.Generator] = None
+    policy,
+    optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+    exp: Experience,
+    cfg: TrainConfig,
+    generator: Optional[torch.Generator] = None,
 ) -> dict:
     """Train ``policy`` on ``exp``; returns the update's metrics.
+
+    ``optimizer`` steps every phase, or, a list from :func:`build_optimizers`, holds one optimizer per phase.
 
     Each phase runs ``cfg.epochs`` passes over the batch in shuffled mini-batches of
     ``cfg.mini_batch_size`` responses, one optimizer step each, accumulating gradients over
@@ -89,7 +108,12 @@ def update_policy(
     clipped_all = entropy_all = trained_all = 0.0
     norms_all = []
     policy.train()
-    for k, phase in enumerate(phase_masks(exp, cfg), start=1):
+    phases = phase_masks(exp, cfg)
+    optimizers = list(optimizer) if isinstance(optimizer, Sequence) else [optimizer]
+    if len(optimizers) not in (1, len(phases)):
+        raise ValueError(f"optimizer: one, or one per phase ({len(phases)}), got {len(optimizers)}")
+    for k, phase in enumerate(phases, start=1):
+        optimizer = optimizers[(k - 1) % len(optimizers)]
         start = time.perf_counter()
         phase_tokens = int(phase.sum())
         loss_sum = clipped = entropy = 0.0
