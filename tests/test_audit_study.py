@@ -8,7 +8,7 @@ import pytest
 
 from openrlhf_lopti.__main__ import main as cli_main
 from openrlhf_lopti.audit.stats import format_ci, mean_ci, paired_differences, t_quantile
-from openrlhf_lopti.audit.study import RUN_DONE_FILE, SETTINGS_FILE, open_study, run_summary
+from openrlhf_lopti.audit.study import FIG3_KEYS, FIRST_STEPS, RUN_DONE_FILE, SETTINGS_FILE, open_study, run_summary
 
 # Two-sided 95% critical values of Student's t (any statistics table).
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 9: 2.262, 19: 2.093, 29: 2.045, 100: 1.984}
@@ -49,6 +49,12 @@ def test_run_summary_pools_direction_counts_over_steps():
     assert s["eval_accuracy"] == 0.25 and s["reward_last"] == 1.0 and s["reward_first"] == -1.0
     assert s["token_share_by_bin"] == pytest.approx([0.3, 0.0, 0.0, 0.7])
     assert s["low_token_fraction"] == pytest.approx(0.15)
+    # Fig. 3 by quartile over the first FIRST_STEPS steps and over the rest, each pooled on its own
+    later = [{**rows[1], "step": k, "direction/pos_up_q4": 0.25} for k in range(3, FIRST_STEPS + 3)]
+    s = run_summary(rows + later)
+    first = (5 + 30 + 0.25 * 30 * (FIRST_STEPS - 2)) / (40 + 30 * (FIRST_STEPS - 2))  # steps 1..FIRST_STEPS
+    assert s["pos_up_q4_first"] == pytest.approx(first) and s["pos_up_q4_rest"] == pytest.approx(0.25)
+    assert s["pos_up_q1_first"] is None and s["pos_up_q1_rest"] is None
 
 
 def test_a_different_study_is_refused_and_overwrite_removes_only_its_files(tmp_path):
@@ -115,3 +121,42 @@ def test_bad_people_is_one_line_naming_the_flag(tmp_path, capsys, people):
     err = capsys.readouterr().err.strip()
     assert err.startswith("openrlhf-lopti study: error: --people") and "\n" not in err
     assert "comma-separated" in err and not out.exists()
+
+
+def test_study_with_sgd_and_train_args(tmp_path, capsys):
+    """--optimizer and --train-args reach every run's config (and the study's setting and report); the Fig. 3
+    quartile shares come per method and paired; a train flag the study owns, a bad one, or a bad combination
+    is refused before anything is written."""
+    out = tmp_path / "study"
+    argv = ["study", "--out", str(out), *TINY, "--seeds", "2", "--methods", "grpo,lopti", "--optimizer", "sgd",
+            "--train-args", "--lr 0.05 --momentum 0.9 --lopti-moments per-phase"]  # fmt: skip
+    assert cli_main(argv) == 0
+    settings = json.loads((out / SETTINGS_FILE).read_text())
+    assert settings["optimizer"] == "sgd" and settings["train_args"] == "--lr 0.05 --momentum 0.9 --lopti-moments per-phase"
+    for method in ("grpo", "lopti"):
+        for seed in (0, 1):
+            config = json.loads((out / "runs" / method / f"seed{seed}" / "config.json").read_text())
+            assert (config["optimizer"], config["lr"], config["momentum"]) == ("sgd", 0.05, 0.9)
+            assert config["lopti_moments"] == "per-phase" and config["seed"] == seed
+    result = json.loads((out / "study.json").read_text())
+    assert result["train_config"]["optimizer"] == "sgd" and result["train_config"]["lr"] == 0.05
+    assert set(FIG3_KEYS) <= set(result["per_method"]["lopti"]) and set(FIG3_KEYS) <= set(result["paired_vs_grpo"]["lopti"])
+    text = (out / "study.md").read_text()
+    assert "SGD lr 0.05 (momentum 0.9), Lopti per-phase optimizer state" in text and "Q4, steps 1-5" in text
+    capsys.readouterr()
+    # the same setting resumes (nothing to do); without the train args it is a different study
+    assert cli_main(argv) == 0 and "0 of 6 jobs to run" in capsys.readouterr().out
+    assert cli_main(argv[:-2]) == 2 and "train_args" in capsys.readouterr().err
+    for train_args, message in [
+        ("--seed 3", "--seed is set by the study (--seeds)"),
+        ("--method lopti", "--method is set by the study (--methods)"),
+        ("--no-track-direction", "--track-direction is set by the study"),
+        ("--bogus 1", "unrecognized arguments: --bogus"),
+        ("--momentum 0.9", "--momentum is an sgd setting"),
+        ("--lr 'x", "No closing quotation"),
+    ]:
+        bad = tmp_path / "bad"
+        assert cli_main(["study", "--out", str(bad), *TINY, "--train-args", train_args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("openrlhf-lopti study: error: --train-args") and message in err, err
+        assert not bad.exists()

@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="openrlhf-lopti audit", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="local HF checkpoint (default: build and warm up the demo model)")
     p.add_argument("--checkpoint", default=None, metavar="RUN_DIR",
-                   help="a `train` run directory: audit its checkpointed weights with its optimizer state, on the batch "
-                   "the run would sample next, with the run's sizes and temperature unless given")  # fmt: skip
+                   help="a `train` run directory: audit its checkpointed weights with its optimizer state, on the "
+                   "batch the run would sample next, with the run's sizes and temperature unless given")  # fmt: skip
     p.add_argument("--out", default=None, help="output directory (default runs/audit-<timestamp>)")
     p.add_argument("--prompts", type=int, default=None, help="puzzles in the batch (default 32; the run's)")
     p.add_argument("--n-samples", type=int, default=None, help="responses per puzzle (default 8; the run's)")

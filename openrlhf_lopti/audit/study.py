@@ -5,6 +5,10 @@ sampling; every method of seed k starts from the same warmed-up model, so a meth
 can be taken seed by seed (paired). Each (method, seed) is one ``openrlhf-lopti train`` process with
 ``--track-direction``; ``--jobs`` of them run at once, one CPU thread each.
 
+``--optimizer`` picks the runs' optimizer and ``--train-args "..."`` passes any other ``train`` flag to every
+run (last, so it overrides the study's value of a flag both set: ``--train-args "--lr 5e-5"``); both are part
+of the setting.
+
 ``--out`` holds the study's own files, nothing else is touched:
 
 - ``study_settings.json``: the setting; a study in the same folder resumes only with the same setting;
@@ -32,7 +36,7 @@ from pathlib import Path
 from typing import Optional
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
-from openrlhf_lopti.local.config import METHODS
+from openrlhf_lopti.local.config import METHODS, OPTIMIZERS
 from openrlhf_lopti.local.demo import window_mean
 
 from .report import write_json
@@ -75,15 +79,29 @@ SETTING_HELP = {
     "steps": "RL steps per run",
     "prompts_per_step": "puzzles per RL step",
     "n_samples": "responses per puzzle (GRPO group size)",
-    "lr": "AdamW learning rate of the RL runs",
+    "lr": "learning rate of the RL runs",
     "eval_prompts": "held-out puzzles of the final greedy accuracy",
 }
 PEOPLE_FORM = "must be comma-separated K&K sizes in [2, 8], e.g. 2 or 3,4"
+# Settings that are not flags of SETTING_DEFAULTS' kind, with the value a study folder written before they
+# existed ran with.
+SETTING_EXTRAS = {"optimizer": "adamw", "train_args": ""}
+# `train` flags the study sets itself or depends on: refused in --train-args (the study flag is named instead).
+OWNED_TRAIN_FLAGS = {
+    "model": "the seed's warmed-up model", "out": "runs/<method>/seed<k>", "method": "--methods",
+    "alpha": "--methods", "lopti": "--methods", "seed": "--seeds", "steps": "--steps", "optimizer": "--optimizer",
+    "resume": "the study's own resumption", "overwrite": "the study's own resumption",
+    "track_direction": "the study's Fig. 3 numbers", "progress": "the study's progress bar",
+}  # fmt: skip
 METRICS = (
     ("eval_accuracy", "final held-out greedy accuracy"),
     ("reward_last", "reward over the last 20% of steps"),
     ("pos_up_q4", "A>0 tokens with p >= .75 whose p rose, over training"),
 )
+# Paper Fig. 3 by probability quartile (bins [0,.25) [.25,.5) [.5,.75) [.75,1]), over the first FIRST_STEPS
+# steps (near the starting model, as the paper's one-step measurement) and over the rest of the run.
+FIRST_STEPS = 5
+FIG3_KEYS = tuple(f"pos_up_q{q}_{part}" for part in ("first", "rest") for q in (1, 2, 3, 4))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,12 +119,27 @@ def build_parser() -> argparse.ArgumentParser:
         if name != "people":
             flag = "--" + name.replace("_", "-")
             p.add_argument(flag, type=type(value), default=value, help=f"{SETTING_HELP[name]} (default {value})")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="optimizer of the RL runs: adamw, or sgd (plain gradient steps; default adamw)")  # fmt: skip
+    p.add_argument("--train-args", default="",
+                   help="more `openrlhf-lopti train` flags for every run, one quoted string, e.g. \"--lr 5e-5 "
+                   "--momentum 0.9\"; given last, they override the study's value of a flag both set")  # fmt: skip
     p.add_argument("--loss-backend", default="auto", choices=("auto", "triton", "cpp", "torch"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a different study in --out (removes only the study's own files)")  # fmt: skip
     p.add_argument("--warmup-job", type=int, default=None, help=argparse.SUPPRESS)  # internal: one seed's warm-up
     return p
+
+
+def joined_train_args(argv: list) -> list:
+    """``--train-args X`` as ``--train-args=X``: argparse would read a value that starts with ``--`` (such as
+    ``--no-track-direction``) as a flag of its own."""
+    out, rest = [], list(argv)
+    while rest:
+        arg = rest.pop(0)
+        out.append(f"{arg}={rest.pop(0)}" if arg == "--train-args" and rest else arg)
+    return out
 
 
 def setting_of(args: argparse.Namespace) -> dict:
@@ -117,6 +150,8 @@ def setting_of(args: argparse.Namespace) -> dict:
     except ValueError:
         raise UserError(f"--people {PEOPLE_FORM}, got {args.people!r}") from None
     setting["loss_backend"] = args.loss_backend
+    setting["optimizer"] = args.optimizer
+    setting["train_args"] = args.train_args.strip()
     return setting
 
 
@@ -138,6 +173,32 @@ def check_setting(setting: dict) -> None:
             raise UserError(f"--{name} must be a number > 0, got {setting[name]}")
     if setting["hidden_size"] % 4:
         raise UserError(f"--hidden-size must be a multiple of 4 (attention heads), got {setting['hidden_size']}")
+    run_config(setting)
+
+
+def run_config(setting: dict, out: Path = Path("study"), method: str = "grpo", seed: int = 0):
+    """The :class:`TrainConfig` that ``train`` builds from a run's command line (:func:`train_command`), i.e.
+    the setting with ``--train-args`` applied; raises :class:`UserError` for bad or study-owned train flags."""
+    from openrlhf_lopti.local.cli import build_parser as train_parser, config_from_args
+
+    try:
+        extra = shlex.split(setting["train_args"])
+    except ValueError as e:
+        raise UserError(f"--train-args {setting['train_args']!r}: {e}") from None
+    try:
+        given = vars(train_parser().parse_args(extra))
+    except UserError as e:
+        raise UserError(f"--train-args {setting['train_args']!r}: {e}") from None
+    for name in given:
+        if name in OWNED_TRAIN_FLAGS:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"--train-args: {flag} is set by the study ({OWNED_TRAIN_FLAGS[name]}); leave it out")
+    # the flags after `python -m openrlhf_lopti train`, as for a fresh run
+    argv = [a for a in train_command(out, setting, method, seed)[4:] if a not in ("--resume", "--overwrite")]
+    try:
+        return config_from_args(train_parser().parse_args(argv))
+    except UserError as e:
+        raise UserError(f"--train-args {setting['train_args']!r}: {e}") from None
 
 
 def max_new_tokens(people: list) -> int:
@@ -156,13 +217,14 @@ def open_study(out: Path, setting: dict, overwrite: bool) -> None:
     ours = [name for name in STUDY_OUTPUTS if (out / name).exists() and name != LOCK_FILE]
     if saved_path.exists():
         try:
-            saved = json.loads(saved_path.read_text())
+            saved = {**SETTING_EXTRAS, **json.loads(saved_path.read_text())}
         except json.JSONDecodeError:
             saved = None
-        if saved == setting:
+        if saved == {**SETTING_EXTRAS, **setting}:
             return  # the same study: resume it
         if not overwrite:
-            diff = sorted(k for k in setting if saved is None or saved.get(k) != setting[k])
+            diff = sorted(k for k in {**SETTING_EXTRAS, **setting}
+                          if saved is None or saved.get(k) != {**SETTING_EXTRAS, **setting}[k])  # fmt: skip
             raise UserError(
                 f"--out {out} holds a different study (settings differ: {', '.join(diff)}): pass --overwrite "
                 "to replace it (only the study's own files are removed), or another --out"
@@ -257,6 +319,7 @@ def train_command(out: Path, setting: dict, method: str, seed: int) -> list:
         "--people", ",".join(map(str, setting["people"])), "--lr", str(setting["lr"]), "--mini-batch-size", "64",
         "--eval-prompts", str(setting["eval_prompts"]), "--loss-backend", setting["loss_backend"],
         "--device", "cpu", "--track-direction", "--no-progress", "--threads", "1",
+        "--optimizer", setting.get("optimizer", "adamw"), *shlex.split(setting.get("train_args", "")),
     ]  # fmt: skip
     if (rd / "checkpoint.pt").exists():
         argv.append("--resume")
@@ -397,6 +460,8 @@ def run_summary(rows: list) -> dict:
     for q in (1, 2, 3, 4):
         out[f"pos_up_q{q}"] = pooled_share(rows, q, "pos")
         out[f"neg_down_q{q}"] = pooled_share(rows, q, "neg")
+        out[f"pos_up_q{q}_first"] = pooled_share(rows[:FIRST_STEPS], q, "pos")
+        out[f"pos_up_q{q}_rest"] = pooled_share(rows[FIRST_STEPS:], q, "pos")
     return out
 
 
@@ -405,7 +470,7 @@ def summarize(out: Path, setting: dict, seeds: list, methods: list) -> dict:
     runs = {m: {s: run_summary(read_rows(run_dir(out, m, s) / "metrics.jsonl")) for s in seeds} for m in methods}
     warm = {s: json.loads((warmup_dir(out, s) / WARMUP_DONE_FILE).read_text()) for s in seeds}
     keys = [k for k, _ in METRICS] + ["reward_first", "low_token_fraction", "pos_up_q1", "pos_up_q2", "pos_up_q3",
-                                      "neg_down_q4"]  # fmt: skip
+                                      "neg_down_q4", *FIG3_KEYS]  # fmt: skip
     per_method = {m: {k: mean_ci([runs[m][s][k] for s in seeds]) for k in keys} for m in methods}
     for m in methods:
         shares = [runs[m][s]["token_share_by_bin"] for s in seeds]
@@ -417,10 +482,12 @@ def summarize(out: Path, setting: dict, seeds: list, methods: list) -> dict:
                 paired[m] = {
                     k: mean_ci(paired_differences({s: runs[m][s][k] for s in seeds},
                                                   {s: runs["grpo"][s][k] for s in seeds}))  # fmt: skip
-                    for k, _ in METRICS
+                    for k in [k for k, _ in METRICS] + list(FIG3_KEYS)
                 }
+    train = run_config(setting, out).to_dict()
     return {
         "setting": setting,
+        "train_config": {k: v for k, v in train.items() if k not in ("model", "out", "seed")},
         "seeds": seeds,
         "methods": methods,
         "warmup": {
@@ -445,7 +512,8 @@ def format_markdown(result: dict) -> str:
         f"{result['warmup']['parameters']} parameters (hidden {s['hidden_size']}, {s['num_layers']} layers), "
         f"warm-up to {s['warmup_target']} held-out greedy accuracy (reached "
         f"{format_ci(result['warmup']['eval_accuracy'])} on the evaluation set), {s['steps']} RL steps of "
-        f"{s['prompts_per_step']} x {s['n_samples']} responses, AdamW lr {s['lr']}.",
+        f"{s['prompts_per_step']} x {s['n_samples']} responses, {optimizer_text(result['train_config'])}."
+        + (f" Train args: `{s['train_args']}`." if s.get("train_args") else ""),
         "",
         "Mean over seeds [95% CI, Student's t].",
         "",
@@ -467,13 +535,40 @@ def format_markdown(result: dict) -> str:
                   "| method - grpo | " + " | ".join(label for _, label in METRICS) + " |",
                   "|" + "---|" * (len(METRICS) + 1)]  # fmt: skip
         for m, diffs in result["paired_vs_grpo"].items():
-            cells = []
-            for k, _ in METRICS:
-                ci = diffs[k]
-                star = " *" if ci["lo"] is not None and (ci["lo"] > 0 or ci["hi"] < 0) else ""
-                cells.append(format_ci(ci, signed=True) + star)
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+            lines.append(f"| {m} | " + " | ".join(paired_cell(diffs[k]) for k, _ in METRICS) + " |")
+    lines += ["", *fig3_tables(result)]
     return "\n".join(lines) + "\n"
+
+
+def paired_cell(ci: dict) -> str:
+    """A paired difference ``+0.012 [-0.003, +0.027]``, starred when its CI excludes 0."""
+    star = " *" if ci["lo"] is not None and (ci["lo"] > 0 or ci["hi"] < 0) else ""
+    return format_ci(ci, signed=True) + star
+
+
+def optimizer_text(train: dict) -> str:
+    """``"AdamW lr 0.0005"``, ``"SGD lr 0.5 (momentum 0.9)"``, with ``, per-phase moments`` when so."""
+    text = f"{'SGD' if train['optimizer'] == 'sgd' else 'AdamW'} lr {train['lr']:g}"
+    text += f" (momentum {train['momentum']:g})" if train.get("momentum") else ""
+    return text + (", Lopti per-phase optimizer state" if train.get("lopti_moments") == "per-phase" else "")
+
+
+def fig3_tables(result: dict) -> list:
+    """Markdown lines: the Fig. 3 share per quartile, steps 1-5 and the rest, per method and paired vs GRPO."""
+    steps = result["setting"]["steps"]
+    parts = (("first", f"steps 1-{FIRST_STEPS}"), ("rest", f"steps {FIRST_STEPS + 1}-{steps}"))
+    head = " | ".join(f"Q{q}, {label}" for part, label in parts for q in (1, 2, 3, 4))
+    lines = ["Paper Fig. 3 by probability quartile (Q1 p < .25 ... Q4 p >= .75): the share of A>0 tokens whose p "
+             "rose after the update, pooled over the steps.", "", f"| method | {head} |", "|" + "---|" * 9]  # fmt: skip
+    for m in result["methods"]:
+        pm = result["per_method"][m]
+        lines.append(f"| {m} | " + " | ".join(format_ci(pm[k], ".3f") for k in FIG3_KEYS) + " |")
+    if result["paired_vs_grpo"]:
+        lines += ["", "The same, paired differences against GRPO (same seeds); * = the CI excludes 0.", "",
+                  f"| method - grpo | {head} |", "|" + "---|" * 9]  # fmt: skip
+        for m, diffs in result["paired_vs_grpo"].items():
+            lines.append(f"| {m} | " + " | ".join(paired_cell(diffs[k]) for k in FIG3_KEYS) + " |")
+    return lines
 
 
 CURVES = (
@@ -485,8 +580,9 @@ CURVES = (
 
 
 def plot_study(out: Path, result: dict, path: Path) -> None:
-    """Per metric, each method's mean curve over seeds (each run smoothed over ~a tenth of its steps) with
-    a 95% t band."""
+    """Rows 1-2: per metric, each method's mean curve over seeds (each run smoothed over ~a tenth of its steps)
+    with a 95% t band. Row 3: the Fig. 3 share per probability quartile, steps 1-5 and the rest, per method
+    (mean over seeds and its 95% band)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -496,7 +592,7 @@ def plot_study(out: Path, result: dict, path: Path) -> None:
 
     steps = result["setting"]["steps"]
     window = max(1, steps // 10)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    fig, axes = plt.subplots(3, 2, figsize=(11, 11))
     for ax, (key, label) in zip(axes.flat, CURVES):
         for m in result["methods"]:
             curves = []
@@ -507,23 +603,38 @@ def plot_study(out: Path, result: dict, path: Path) -> None:
                     xs, ys = zip(*points)
                     curves.append(dict(zip(xs, smooth(list(ys), window))))
             xs = sorted({x for c in curves for x in c})
-            cis = [mean_ci([c[x] for c in curves if x in c]) for x in xs]
-            mean = [c["mean"] for c in cis]
-            (line,) = ax.plot(xs, mean, label=m)
-            if any(c["lo"] is not None for c in cis):
-                lo = [c["lo"] if c["lo"] is not None else c["mean"] for c in cis]
-                hi = [c["hi"] if c["hi"] is not None else c["mean"] for c in cis]
-                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+            band(ax, xs, [mean_ci([c[x] for c in curves if x in c]) for x in xs], m)
         if key.startswith("direction/"):
             ax.axhline(0.5, color="gray", linestyle="--", linewidth=1)
         ax.set_title(label)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
+    parts = (("first", f"steps 1-{FIRST_STEPS}"), ("rest", f"steps {FIRST_STEPS + 1}-{steps}"))
+    for ax, (part, label) in zip(axes[2], parts):
+        for m in result["methods"]:
+            cis = [result["per_method"][m][f"pos_up_q{q}_{part}"] for q in (1, 2, 3, 4)]
+            band(ax, [1, 2, 3, 4], cis, m, marker="o")
+        ax.axhline(0.5, color="gray", linestyle="--", linewidth=1)
+        ax.set_xticks([1, 2, 3, 4], ["Q1\np<.25", "Q2\n.25-.5", "Q3\n.5-.75", "Q4\np>=.75"])
+        ax.set_title(f"A>0 tokens whose p rose (Fig. 3), {label}")
+        ax.grid(alpha=0.3)
     axes.flat[0].legend()
-    fig.suptitle(f"{len(result['seeds'])} seeds: mean and 95% CI (t), each run smoothed over {window} steps")
+    fig.suptitle(f"{len(result['seeds'])} seeds: mean and 95% CI (t); curves smoothed over {window} steps; "
+                 f"{optimizer_text(result['train_config'])}")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def band(ax, xs: list, cis: list, label: str, **style) -> None:
+    """A mean line over ``xs`` with its 95% CI as a shaded band (``cis``: :func:`mean_ci` results)."""
+    xs = [x for x, c in zip(xs, cis) if c["mean"] is not None]
+    cis = [c for c in cis if c["mean"] is not None]
+    (line,) = ax.plot(xs, [c["mean"] for c in cis], label=label, **style)
+    if any(c["lo"] is not None for c in cis):
+        lo = [c["lo"] if c["lo"] is not None else c["mean"] for c in cis]
+        hi = [c["hi"] if c["hi"] is not None else c["mean"] for c in cis]
+        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
 
 
 # ---------------------------------------------------------------- command
@@ -534,7 +645,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def main(argv: Optional[list] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(joined_train_args(sys.argv[1:] if argv is None else argv))
     if args.warmup_job is not None:
         if not args.out:
             raise UserError("--warmup-job needs --out")

@@ -115,7 +115,8 @@ class TrainConfig:
             except ValueError as e:
                 raise ConfigError(name, f"{name} {str(e).split(' ', 1)[1]}") from None
         if self.lopti_moments not in LOPTI_MOMENTS:
-            raise ConfigError("lopti_moments", f"lopti_moments must be one of {LOPTI_MOMENTS}, got {self.lopti_moments!r}")
+            message = f"lopti_moments must be one of {LOPTI_MOMENTS}, got {self.lopti_moments!r}"
+            raise ConfigError("lopti_moments", message)
         if self.lopti and self.eta == 0:  # eta 0 is "Lopti off", as OpenRLHF's --algo.lopti.eta 0
             raise ConfigError("eta", "eta 0 means Lopti off (as --algo.lopti.eta 0 in the OpenRLHF CLI), but lopti "
                               "is on (--lopti or a lopti --method): give eta in (0, 1], or turn Lopti off")  # fmt: skip
