@@ -248,9 +248,13 @@ def test_checkpoint_optimizer_continues_training_sgd_momentum():
     copy_net(torch.randn(5, 3)).pow(2).sum().backward()
     grads = [p.grad.clone() for p in copy_net.parameters()]
     opt.step()
+    eps = torch.finfo(torch.float32).eps
     for i, (new, old, g) in enumerate(zip(copy_net.parameters(), net.parameters(), grads)):
-        expected = -AUDIT_CFG.lr * (0.9 * saved["state"][i]["momentum_buffer"] + g)
-        torch.testing.assert_close(new.detach() - old.detach(), expected, rtol=1e-5, atol=1e-9)
+        buffer = saved["state"][i]["momentum_buffer"]
+        expected = -AUDIT_CFG.lr * (0.9 * buffer + g)
+        # a few fp32 roundings of the magnitudes added (the step is ~1e-3 of the weight): relative to their sum
+        bound = 4 * eps * (old.detach().abs() + AUDIT_CFG.lr * (0.9 * buffer.abs() + g.abs()))
+        assert ((new.detach() - old.detach() - expected).abs() <= bound).all()
     per_phase = dataclasses.replace(sgd_cfg, lopti=True, lopti_moments="per-phase")
     pair = make_optimizer(net.parameters(), "checkpoint", per_phase, states=[saved, saved])
     assert len(pair) == 2 and pair[0] is not pair[1]

@@ -203,14 +203,15 @@ def test_per_phase_moments_keep_phase_1_out_of_phase_2s_step(peaked):
     assert len(build_optimizers(list(model.parameters()), cfg_for(lopti_moments="per-phase"))) == 1  # no Lopti
     update_policy(shared_model, shared, exp, shared_cfg, torch.Generator().manual_seed(0))
     update_policy(split_model, split, exp, split_cfg, torch.Generator().manual_seed(0))
-    params = list(model.parameters())
-    for i, p in enumerate(params):
-        g1 = split[0].state[list(split_model.parameters())[i]]["momentum_buffer"]
-        g2 = split[1].state[list(split_model.parameters())[i]]["momentum_buffer"]
-        buffer = shared[0].state[list(shared_model.parameters())[i]]["momentum_buffer"]
-        torch.testing.assert_close(buffer, 0.9 * g1 + g2, rtol=1e-5, atol=1e-7)
-        moved = list(split_model.parameters())[i].detach() - p.detach()
-        torch.testing.assert_close(moved, -1e-2 * (g1 + g2), rtol=1e-5, atol=1e-7)
+    # Bounds from the computation: a few fp32 roundings of the summed magnitudes (weights p ~ 1 and steps
+    # lr * g ~ 1e-3 are added and subtracted, so the bound is relative to |p|, not to the step).
+    eps = torch.finfo(torch.float32).eps
+    for p, q, r in zip(model.parameters(), split_model.parameters(), shared_model.parameters()):
+        g1, g2 = split[0].state[q]["momentum_buffer"], split[1].state[q]["momentum_buffer"]
+        buffer = shared[0].state[r]["momentum_buffer"]
+        assert ((buffer - (0.9 * g1 + g2)).abs() <= 4 * eps * (0.9 * g1.abs() + g2.abs())).all()
+        moved, expected = q.detach() - p.detach(), -1e-2 * (g1 + g2)
+        assert ((moved - expected).abs() <= 4 * eps * (p.detach().abs() + 1e-2 * (g1.abs() + g2.abs()))).all()
     assert any(float(split[1].state[q]["momentum_buffer"].abs().max()) > 0 for q in split_model.parameters())
     with pytest.raises(ValueError, match="one per phase"):
         update_policy(copy.deepcopy(model), split * 2, exp, split_cfg)
