@@ -144,6 +144,11 @@ def test_study_with_sgd_and_train_args(tmp_path, capsys):
     text = (out / "study.md").read_text()
     assert "SGD lr 0.05 (momentum 0.9), Lopti per-phase optimizer state" in text and "Q4, steps 1-5" in text
     capsys.readouterr()
+    # --compare prints studies side by side from their study.json
+    assert cli_main(["study", "--compare", str(out), str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.count("| lopti - grpo |") == 2 and "SGD lr 0.05" in table
+    assert cli_main(["study", "--compare", str(tmp_path)]) == 2 and "no study.json" in capsys.readouterr().err
     # the same setting resumes (nothing to do); without the train args it is a different study
     assert cli_main(argv) == 0 and "0 of 6 jobs to run" in capsys.readouterr().out
     assert cli_main(argv[:-2]) == 2 and "train_args" in capsys.readouterr().err

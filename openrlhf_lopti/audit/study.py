@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a different study in --out (removes only the study's own files)")  # fmt: skip
+    p.add_argument("--compare", nargs="+", metavar="STUDY_DIR", default=None,
+                   help="print finished studies side by side (their study.json: each method against GRPO, outcomes "
+                   "and Fig. 3 per quartile) and exit; runs nothing")  # fmt: skip
     p.add_argument("--warmup-job", type=int, default=None, help=argparse.SUPPRESS)  # internal: one seed's warm-up
     return p
 
@@ -637,6 +640,35 @@ def band(ax, xs: list, cis: list, label: str, **style) -> None:
         ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
 
 
+def read_result(out: Path) -> dict:
+    """A finished study's ``study.json``; :class:`UserError` naming the folder otherwise."""
+    path = out / "study.json"
+    if not path.is_file():
+        raise UserError(f"--compare {out}: no study.json in it (not a study folder, or the study has not finished)")
+    result = json.loads(path.read_text())
+    if "train_config" not in result or "pos_up_q4_first" not in result["per_method"][result["methods"][0]]:
+        raise UserError(f"--compare {out}: its study.json was written by an older version; run the study command "
+                        "on the folder again to rewrite it (finished runs are kept)")  # fmt: skip
+    return result
+
+
+def compare_markdown(results: list) -> str:
+    """Studies side by side (``results``: ``(label, study.json)`` pairs): per method, its paired difference against GRPO
+    on held-out accuracy, late reward and the Fig. 3 share per quartile (steps 1-5 and the rest)."""
+    lines = ["| study | setting | seeds | method | held-out acc. | reward, last 20% | " +
+             " | ".join(f"Q{q} up, {part}" for part in ("1-5", "rest") for q in (1, 2, 3, 4)) + " |",
+             "|" + "---|" * 14]  # fmt: skip
+    for label, result in results:
+        setting = optimizer_text(result["train_config"])
+        rows = [("grpo", result["per_method"].get("grpo"), format_ci)] if "grpo" in result["methods"] else []
+        rows += [(f"{m} - grpo", diffs, paired_cell) for m, diffs in result["paired_vs_grpo"].items()]
+        for name, cis, cell in rows:
+            keys = ["eval_accuracy", "reward_last", *FIG3_KEYS]
+            lines.append(f"| {label} | {setting} | {len(result['seeds'])} | {name} | "
+                         + " | ".join(cell(cis[k]) for k in keys) + " |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------- command
 
 
@@ -646,6 +678,9 @@ def _interrupt(signum, frame) -> None:
 
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(joined_train_args(sys.argv[1:] if argv is None else argv))
+    if args.compare:
+        print(compare_markdown([(d, read_result(Path(d))) for d in args.compare]))
+        return 0
     if args.warmup_job is not None:
         if not args.out:
             raise UserError("--warmup-job needs --out")
