@@ -165,3 +165,15 @@ def test_study_with_sgd_and_train_args(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("openrlhf-lopti study: error: --train-args") and message in err, err
         assert not bad.exists()
+
+
+def test_a_study_written_before_optimizer_and_train_args_resumes(tmp_path):
+    """A folder whose study_settings.json predates --optimizer / --train-args ran with AdamW and no extra
+    flags: the same study with those defaults resumes; SGD there is a different study."""
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / SETTINGS_FILE).write_text(json.dumps({"steps": 3}))
+    open_study(out, {"steps": 3, "optimizer": "adamw", "train_args": ""}, overwrite=False)
+    assert json.loads((out / SETTINGS_FILE).read_text()) == {"steps": 3}  # untouched
+    with pytest.raises(ValueError, match="settings differ: optimizer"):
+        open_study(out, {"steps": 3, "optimizer": "sgd", "train_args": ""}, overwrite=False)

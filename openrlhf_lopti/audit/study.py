@@ -216,6 +216,7 @@ def open_study(out: Path, setting: dict, overwrite: bool) -> None:
     """Accept ``out`` (an existing folder, locked by :func:`lock_study`) for this setting: a new study, or the
     same study to resume; a different study there is refused unless ``overwrite`` (which removes
     :data:`STUDY_OUTPUTS` only)."""
+    full = {**SETTING_EXTRAS, **setting}  # a setting written before an extra existed ran with its default
     saved_path = out / SETTINGS_FILE
     ours = [name for name in STUDY_OUTPUTS if (out / name).exists() and name != LOCK_FILE]
     if saved_path.exists():
@@ -223,11 +224,10 @@ def open_study(out: Path, setting: dict, overwrite: bool) -> None:
             saved = {**SETTING_EXTRAS, **json.loads(saved_path.read_text())}
         except json.JSONDecodeError:
             saved = None
-        if saved == {**SETTING_EXTRAS, **setting}:
+        if saved == full:
             return  # the same study: resume it
         if not overwrite:
-            diff = sorted(k for k in {**SETTING_EXTRAS, **setting}
-                          if saved is None or saved.get(k) != {**SETTING_EXTRAS, **setting}[k])  # fmt: skip
+            diff = sorted(k for k in full if saved is None or saved.get(k) != full[k])
             raise UserError(
                 f"--out {out} holds a different study (settings differ: {', '.join(diff)}): pass --overwrite "
                 "to replace it (only the study's own files are removed), or another --out"
