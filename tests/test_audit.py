@@ -175,6 +175,15 @@ def test_audit_command_any_model_quantile_bins(tmp_path, setup):
 AUDIT_CFG = TrainConfig(model="m", out="o", lr=1e-3, weight_decay=0.1)
 
 
+def state_after_steps(net, optimizer, steps: int) -> dict:
+    """``optimizer``'s state dict (a copy) after ``steps`` steps of ``net`` on random inputs: a run's checkpoint."""
+    for _ in range(steps):
+        optimizer.zero_grad()
+        net(torch.randn(5, 3)).pow(2).sum().backward()
+        optimizer.step()
+    return copy.deepcopy(optimizer.state_dict())
+
+
 def test_checkpoint_optimizer_continues_training_adamw_state():
     """``make_optimizer("checkpoint")`` takes the moments and step count of a saved AdamW: its next step is
     Adam's formula on those moments (written out here), not a fresh AdamW's ~lr * sign(grad); the saved
@@ -182,11 +191,7 @@ def test_checkpoint_optimizer_continues_training_adamw_state():
     torch.manual_seed(0)
     net = torch.nn.Linear(3, 2)
     trained = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
-    for _ in range(3):
-        trained.zero_grad()
-        net(torch.randn(5, 3)).pow(2).sum().backward()
-        trained.step()
-    saved = copy.deepcopy(trained.state_dict())
+    saved = state_after_steps(net, trained, 3)
     x = torch.randn(5, 3)
 
     def steps(net, saved, x):
@@ -236,12 +241,7 @@ def test_checkpoint_optimizer_continues_training_sgd_momentum():
     torch.manual_seed(0)
     net = torch.nn.Linear(3, 2)
     sgd_cfg = dataclasses.replace(AUDIT_CFG, optimizer="sgd", momentum=0.9, weight_decay=0.0)
-    trained = torch.optim.SGD(net.parameters(), lr=1e-2, momentum=0.9)
-    for _ in range(2):
-        trained.zero_grad()
-        net(torch.randn(5, 3)).pow(2).sum().backward()
-        trained.step()
-    saved = copy.deepcopy(trained.state_dict())
+    saved = state_after_steps(net, torch.optim.SGD(net.parameters(), lr=1e-2, momentum=0.9), 2)
     copy_net = copy.deepcopy(net)
     (opt,) = make_optimizer(copy_net.parameters(), "checkpoint", sgd_cfg, states=[saved])
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["lr"] == AUDIT_CFG.lr
