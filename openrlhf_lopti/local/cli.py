@@ -29,7 +29,8 @@ HELP = {
     "lopti_order": "low_first (Lopti) or high_first (the paper's collapsing ablation)",
     "lopti_quantile": "use this quantile of token probabilities as the threshold instead of eta",
     "lopti_moments": "shared (the paper's: both phases step one optimizer, so phase 2 carries the moments phase 1 "
-    "just filled) or per-phase (opt-in: each phase its own optimizer state; measured worse, README study)",
+    "just filled) or per-phase (opt-in: each phase its own optimizer state; measured worse, README study); "
+    "no effect without Lopti",
     "steps": "RL steps (one batch of rollouts each)",
     "prompts_per_step": "prompts (puzzles or --data rows) per step",
     "n_samples": "responses per puzzle (GRPO group size)",
