@@ -260,6 +260,10 @@ def test_checkpoint_optimizer_continues_training_sgd_momentum():
     assert len(pair) == 2 and pair[0] is not pair[1]
     with pytest.raises(ValueError, match="1 saved optimizer state"):
         make_optimizer(net.parameters(), "checkpoint", per_phase, states=[saved])
+    # a lopti_lr_scale run: its Lopti methods step at the scaled lr, whatever lr the saved state holds
+    scaled = dataclasses.replace(sgd_cfg, lopti=True, lopti_lr_scale=0.5)
+    (opt,) = make_optimizer(net.parameters(), "checkpoint", scaled, states=[saved])
+    assert opt.param_groups[0]["lr"] == 0.5 * AUDIT_CFG.lr
 
 
 def test_audit_command_from_a_training_checkpoint(tmp_path, setup, capsys):
@@ -274,7 +278,7 @@ def test_audit_command_from_a_training_checkpoint(tmp_path, setup, capsys):
     assert cli_main(argv) == 0
     result = json.loads((out / "audit.json").read_text())
     assert result["checkpoint"] == {"run_dir": str(run), "step": 2, "run_seed": 5, "optimizer": "adamw",
-                                    "momentum": 0.0, "lopti_moments": "shared"}  # fmt: skip
+                                    "momentum": 0.0, "lopti_moments": "shared", "lopti_lr_scale": 1.0}  # fmt: skip
     settings = result["settings"]
     assert settings["optimizer"] == "checkpoint" and settings["lr"] == 3e-3 and settings["temperature"] == 0.9
     assert (settings["prompts"], settings["n_samples"], settings["max_new_tokens"]) == (2, 4, 8)
@@ -294,12 +298,14 @@ def test_audit_command_from_a_training_checkpoint(tmp_path, setup, capsys):
 
 def test_audit_command_from_an_sgd_and_a_per_phase_checkpoint(tmp_path, setup, capsys):
     """``audit --checkpoint`` of a run trained with SGD + momentum steps with SGD and that run's momentum
-    buffers (what the run's next step would do); a per-phase Lopti run gives each phase its own state."""
+    buffers (what the run's next step would do), at the run's lr (scaled for Lopti by its lopti_lr_scale);
+    a per-phase Lopti run gives each phase its own state."""
     model, tok, _, _ = setup
     save_model(model, tok, tmp_path / "m", prompt_style="compact")
     common = dict(model=str(tmp_path / "m"), steps=2, prompts_per_step=2, n_samples=4, max_new_tokens=8,
                   temperature=0.9, lr=0.05, seed=5, loss_backend="torch", progress=False)  # fmt: skip
-    runs = {"sgd": dict(optimizer="sgd", momentum=0.9), "phase": dict(lopti=True, lopti_moments="per-phase")}
+    runs = {"sgd": dict(optimizer="sgd", momentum=0.9, lopti=True, lopti_lr_scale=0.5),
+            "phase": dict(lopti=True, lopti_moments="per-phase")}  # fmt: skip
     for name, extra in runs.items():
         LocalTrainer(TrainConfig(out=str(tmp_path / name), **common, **extra)).run()
     out = tmp_path / "a"
@@ -308,6 +314,8 @@ def test_audit_command_from_an_sgd_and_a_per_phase_checkpoint(tmp_path, setup, c
     assert cli_main(argv) == 0
     result = json.loads((out / "audit.json").read_text())
     assert result["checkpoint"]["optimizer"] == "sgd" and result["checkpoint"]["momentum"] == 0.9
+    assert result["checkpoint"]["lopti_lr_scale"] == 0.5
+    # the run's lr, not the scaled one its Lopti optimizer held: the audited Lopti methods scale it once, themselves
     assert result["settings"]["optimizer"] == "checkpoint" and result["settings"]["lr"] == 0.05
     phase_argv = ["audit", "--checkpoint", str(tmp_path / "phase"), "--param-grad-tokens", "0"]
     capsys.readouterr()

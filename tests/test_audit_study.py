@@ -129,20 +129,21 @@ def test_study_with_sgd_and_train_args(tmp_path, capsys):
     is refused before anything is written."""
     out = tmp_path / "study"
     argv = ["study", "--out", str(out), *TINY, "--seeds", "2", "--methods", "grpo,lopti", "--optimizer", "sgd",
-            "--train-args", "--lr 0.05 --momentum 0.9 --lopti-moments per-phase"]  # fmt: skip
+            "--train-args", "--lr 0.05 --momentum 0.9 --lopti-moments per-phase --lopti-lr-scale 0.5"]  # fmt: skip
     assert cli_main(argv) == 0
     settings = json.loads((out / SETTINGS_FILE).read_text())
-    assert settings["optimizer"] == "sgd" and settings["train_args"] == "--lr 0.05 --momentum 0.9 --lopti-moments per-phase"
+    assert settings["optimizer"] == "sgd" and settings["train_args"].endswith("--lopti-moments per-phase --lopti-lr-scale 0.5")
     for method in ("grpo", "lopti"):
         for seed in (0, 1):
             config = json.loads((out / "runs" / method / f"seed{seed}" / "config.json").read_text())
             assert (config["optimizer"], config["lr"], config["momentum"]) == ("sgd", 0.05, 0.9)
             assert config["lopti_moments"] == "per-phase" and config["seed"] == seed
+            assert config["lopti_lr_scale"] == 0.5
     result = json.loads((out / "study.json").read_text())
     assert result["train_config"]["optimizer"] == "sgd" and result["train_config"]["lr"] == 0.05
     assert set(FIG3_KEYS) <= set(result["per_method"]["lopti"]) and set(FIG3_KEYS) <= set(result["paired_vs_grpo"]["lopti"])
     text = (out / "study.md").read_text()
-    assert "SGD lr 0.05 (momentum 0.9), Lopti per-phase optimizer state" in text and "Q4, steps 1-5" in text
+    assert "SGD lr 0.05 (momentum 0.9), Lopti per-phase optimizer state, Lopti lr x 0.5" in text and "Q4, steps 1-5" in text
     capsys.readouterr()
     # --compare prints studies side by side from their study.json
     assert cli_main(["study", "--compare", str(out), str(out)]) == 0

@@ -19,6 +19,7 @@ def make(**kw):
         ("eps_low", 1.0), ("kl_estimator", "k4"), ("dtype", "float16"), ("loss_backend", "cuda"),
         ("estimator", "ppo"), ("micro_batch_size", -1), ("prompt_style", "fancy"), ("optimizer", "adam"),
         ("momentum", 1.0), ("momentum", 0.9), ("lopti_moments", "split"),  # momentum 0.9 with the default adamw
+        ("lopti_lr_scale", 0.0), ("lopti_lr_scale", 1.5), ("lopti_lr_scale", float("nan")),
     ],
 )  # fmt: skip
 def test_bad_values_raise_naming_the_field(field, value):

@@ -63,8 +63,8 @@ def test_a_run_writes_metrics_checkpoint_plots_and_a_loadable_model(model_dir, t
 
 @pytest.mark.parametrize(
     "optimizer",
-    [{}, {"optimizer": "sgd", "momentum": 0.9, "lr": 0.3}, {"lopti_moments": "per-phase"}],
-    ids=["adamw", "sgd-momentum", "per-phase-adamw"],
+    [{}, {"optimizer": "sgd", "momentum": 0.9, "lr": 0.3}, {"lopti_moments": "per-phase"}, {"lopti_lr_scale": 0.5}],
+    ids=["adamw", "sgd-momentum", "per-phase-adamw", "lopti-lr-scale"],
 )
 def test_resume_after_a_crash_continues_exactly(model_dir, tmp_path, optimizer):
     """Kill simulated after step 2's checkpoint and half of step 3's log line: the resumed run drops the
@@ -89,6 +89,8 @@ def test_resume_after_a_crash_continues_exactly(model_dir, tmp_path, optimizer):
             assert p.keys() == q.keys() and all(torch.equal(p[k], q[k]) for k in p)
     if kind is torch.optim.SGD:
         assert resumed.optimizers[0].param_groups[0]["momentum"] == 0.9
+    lr = 0.5e-2 if "lopti_lr_scale" in optimizer else resumed.cfg.lr  # config()'s lr 1e-2, scaled for Lopti
+    assert all(o.param_groups[0]["lr"] == lr for o in resumed.optimizers)
 
 
 def test_resume_refuses_changed_settings_and_out_dir_rules(model_dir, tmp_path):

@@ -217,6 +217,27 @@ def test_per_phase_moments_keep_phase_1_out_of_phase_2s_step(peaked):
         update_policy(copy.deepcopy(model), split * 2, exp, split_cfg)
 
 
+def test_lopti_lr_scale_scales_lopti_steps_only(peaked):
+    """``lopti_lr_scale=s``: Lopti at lr L steps exactly as Lopti at lr ``s * L`` (both phases); GRPO ignores it."""
+    model, tok = peaked
+    exp = fixed_experience(model, tok, temperature=1.0)
+
+    def updated(**settings):
+        cfg, policy = cfg_for(eta=0.5, grad_clip=0.0, **settings), copy.deepcopy(model)
+        optimizers = build_optimizers(list(policy.parameters()), cfg)
+        update_policy(policy, optimizers, exp, cfg, torch.Generator().manual_seed(0))
+        return [optimizers[0].param_groups[0]["lr"], *policy.parameters()]
+
+    def same(a, b):
+        return a[0] == b[0] and all(torch.equal(p, q) for p, q in zip(a[1:], b[1:]))
+
+    for optimizer in ("adamw", "sgd"):
+        scaled = updated(lopti=True, lr=0.02, lopti_lr_scale=0.25, optimizer=optimizer)
+        assert scaled[0] == 0.005 and same(scaled, updated(lopti=True, lr=0.005, optimizer=optimizer))
+        assert not same(scaled, updated(lopti=True, lr=0.02, optimizer=optimizer))
+        assert same(updated(lr=0.02, lopti_lr_scale=0.25, optimizer=optimizer), updated(lr=0.02, optimizer=optimizer))
+
+
 def test_lopti_token_mean_uses_all_response_tokens(peaked, float64):
     """With a zero learning rate the two phases' losses add up to plain GRPO's loss on the batch (the rule of
     tests/numerics.py: the same comparison in float64 on float64 copies must hold to float64 rounding)."""

@@ -130,12 +130,12 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
         defaults.update(
             prompts=run_cfg.prompts_per_step, n_samples=run_cfg.n_samples, temperature=run_cfg.temperature,
             people=run_cfg.people, eta=run_cfg.eta, max_new_tokens=run_cfg.max_new_tokens,
-            lr=ckpt["optimizer"]["param_groups"][0]["lr"],
+            lr=run_cfg.lr,
         )  # fmt: skip
         style = style if args.prompt_style != "auto" or run_cfg.prompt_style == "auto" else run_cfg.prompt_style
         # The batch the run would sample next, and the state its optimizer(s) have now.
         optimizer_states, batch_step, run_seed = checkpoint_optimizer_states(ckpt), ckpt["step"], run_cfg.seed
-        run_optimizer = {k: getattr(run_cfg, k) for k in ("optimizer", "momentum", "lopti_moments")}
+        run_optimizer = {k: getattr(run_cfg, k) for k in ("optimizer", "momentum", "lopti_moments", "lopti_lr_scale")}
         weight_decay = run_cfg.weight_decay
     else:
         model_path = args.model

@@ -144,16 +144,17 @@ OPTIMIZERS = ("checkpoint", "fresh-adamw", "sgd")
 
 def make_optimizer(params, kind: str, cfg: TrainConfig, states: Optional[list] = None) -> list:
     """The optimizers of one audited update, as :func:`update_policy` takes them (one, or one per Lopti phase),
-    at ``cfg.lr``: ``"checkpoint"`` = the run's own (``cfg.optimizer`` with its momentum; one per phase with
+    at ``cfg.step_lr``: ``"checkpoint"`` = the run's own (``cfg.optimizer`` with its momentum; one per phase with
     ``lopti_moments="per-phase"``) restored from ``states`` (a checkpoint's ``optimizer_states``: moments, step
-    counts, hyper-parameters; lr replaced by ``cfg.lr``), ``"fresh-adamw"`` = a new AdamW, ``"sgd"`` = plain SGD."""
+    counts, hyper-parameters; lr replaced by ``cfg.step_lr``), ``"fresh-adamw"`` = a new AdamW, ``"sgd"`` = plain
+    SGD."""
     if kind not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kind!r}")
     params = list(params)
     if kind == "sgd":
-        return [torch.optim.SGD(params, lr=cfg.lr)]
+        return [torch.optim.SGD(params, lr=cfg.step_lr)]
     if kind == "fresh-adamw":
-        return [torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)]
+        return [torch.optim.AdamW(params, lr=cfg.step_lr, weight_decay=cfg.weight_decay)]
     if states is None:
         raise ValueError("optimizer 'checkpoint' needs the checkpoint's optimizer states")
     optimizers = build_optimizers(params, cfg)
@@ -163,7 +164,7 @@ def make_optimizer(params, kind: str, cfg: TrainConfig, states: Optional[list] =
     for opt, state in zip(optimizers, states):
         opt.load_state_dict(copy.deepcopy(state))  # a copy: every method starts from the same state
         for group in opt.param_groups:
-            group["lr"] = cfg.lr
+            group["lr"] = cfg.step_lr
     return optimizers
 
 
@@ -180,7 +181,7 @@ def correct_direction(
     update from ``model``'s weights (``model`` itself is not changed).
 
     Each method gets a fresh copy of the weights and its own optimizer (:func:`make_optimizer`, lr
-    ``cfg.lr``): ``"checkpoint"`` restores training's optimizer state (``optimizer_states``), ``"fresh-adamw"``
+    ``cfg.step_lr``): ``"checkpoint"`` restores training's optimizer state (``optimizer_states``), ``"fresh-adamw"``
     starts a new one, ``"sgd"`` follows the raw gradient. It runs
     :func:`openrlhf_lopti.local.update.update_policy` with the whole batch as one mini-batch: GRPO and AR
     take one optimizer step, Lopti two (low phase, then high phase). A fresh AdamW's first step is about

@@ -550,10 +550,11 @@ def paired_cell(ci: dict) -> str:
 
 
 def optimizer_text(train: dict) -> str:
-    """``"AdamW lr 0.0005"``, ``"SGD lr 0.5 (momentum 0.9)"``, with ``, per-phase moments`` when so."""
+    """``"AdamW lr 0.0005"``, ``"SGD lr 0.5 (momentum 0.9)"``, with the Lopti variants when set."""
     text = f"{'SGD' if train['optimizer'] == 'sgd' else 'AdamW'} lr {train['lr']:g}"
     text += f" (momentum {train['momentum']:g})" if train.get("momentum") else ""
-    return text + (", Lopti per-phase optimizer state" if train.get("lopti_moments") == "per-phase" else "")
+    text += ", Lopti per-phase optimizer state" if train.get("lopti_moments") == "per-phase" else ""
+    return text + (f", Lopti lr x {train['lopti_lr_scale']:g}" if train.get("lopti_lr_scale", 1) != 1 else "")
 
 
 def fig3_tables(result: dict) -> list:

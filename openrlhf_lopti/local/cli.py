@@ -31,6 +31,8 @@ HELP = {
     "lopti_moments": "shared (the paper's: both phases step one optimizer, so phase 2 carries the moments phase 1 "
     "just filled) or per-phase (opt-in: each phase its own optimizer state; measured worse, README study); "
     "no effect without Lopti",
+    "lopti_lr_scale": "Lopti's phases step at lr times this (opt-in; the paper's is 1; 0.5 makes Lopti's two AdamW "
+    "steps about as long as GRPO's one); no effect without Lopti",
     "steps": "RL steps (one batch of rollouts each)",
     "prompts_per_step": "prompts (puzzles or --data rows) per step",
     "n_samples": "responses per puzzle (GRPO group size)",

@@ -54,6 +54,7 @@ class TrainConfig:
     lopti_order: str = "low_first"
     lopti_quantile: Optional[float] = None
     lopti_moments: str = "shared"  # "per-phase": each phase its own optimizer state (opt-in; not the paper's)
+    lopti_lr_scale: float = 1.0  # Lopti's phases step at lr * this (opt-in below 1; the paper's is 1)
     steps: int = 100
     prompts_per_step: int = 16
     n_samples: int = 8
@@ -142,6 +143,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(name, f"{name} must be a finite number >= 0, got {value!r}")
+        if not (isinstance(self.lopti_lr_scale, (int, float)) and 0 < self.lopti_lr_scale <= 1):
+            message = f"lopti_lr_scale must be a number in (0, 1], got {self.lopti_lr_scale!r}"
+            raise ConfigError("lopti_lr_scale", message)
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError("optimizer", f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if not (isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1):
@@ -180,6 +184,12 @@ class TrainConfig:
             if "{}" not in self.input_template:
                 raise ConfigError("input_template", f"input_template must contain {{}} where the prompt goes, "
                                   f"got {self.input_template!r}")  # fmt: skip
+
+    @property
+    def step_lr(self) -> float:
+        """The learning rate every optimizer step takes: ``lr``, times ``lopti_lr_scale`` with Lopti (its two
+        phases each take a step per mini-batch where GRPO takes one)."""
+        return self.lr * self.lopti_lr_scale if self.lopti else self.lr
 
     @property
     def method(self) -> str:

@@ -11,7 +11,10 @@ are :func:`openrlhf_lopti.algo.lopti_phases`: the same code the OpenRLHF actor r
 - ``old_log_probs`` stay the rollout's, while phase 2's forward runs on the weights phase 1 updated;
 - both phases step one optimizer, so phase 2's AdamW step also carries the first moment phase 1 just filled.
   ``lopti_moments="per-phase"`` (opt-in, not the paper's) gives each phase its own optimizer instead
-  (:func:`build_optimizers`), whose moments only ever see that phase's gradients.
+  (:func:`build_optimizers`), whose moments only ever see that phase's gradients;
+- each phase takes a full optimizer step, so under AdamW (steps of about ``lr`` per coordinate whatever the
+  gradient's size) Lopti moves the weights about twice as far per mini-batch as GRPO; under SGD the two steps
+  add up to GRPO's one. ``lopti_lr_scale`` (opt-in, not the paper's) scales Lopti's steps (``cfg.step_lr``).
 
 What cannot change the update is not computed (:func:`phase_part`): a response without a token of the running
 phase adds exactly 0 to the loss and to every gradient (its tokens are all masked), so it gets no forward and
@@ -41,12 +44,13 @@ from .rollout import Rollout, response_hidden, response_logits
 
 def build_optimizers(params: list, cfg: TrainConfig) -> list:
     """The optimizers of a run over ``params``: ``cfg.optimizer`` (AdamW, or SGD with ``cfg.momentum``) at
-    ``cfg.lr``; one, or one per Lopti phase (same parameters, separate state) with ``lopti_moments="per-phase"``."""
+    ``cfg.step_lr``; one, or one per Lopti phase (same parameters, separate state) with
+    ``lopti_moments="per-phase"``."""
     count = 2 if cfg.lopti and cfg.lopti_moments == "per-phase" else 1
     if cfg.optimizer == "sgd":
-        return [torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return [torch.optim.SGD(params, lr=cfg.step_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
                 for _ in range(count)]  # fmt: skip
-    return [torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay) for _ in range(count)]
+    return [torch.optim.AdamW(params, lr=cfg.step_lr, weight_decay=cfg.weight_decay) for _ in range(count)]
 
 
 def phase_masks(exp: Experience, cfg: TrainConfig) -> list:
