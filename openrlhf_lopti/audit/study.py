@@ -104,6 +104,11 @@ FIRST_STEPS = 5
 FIG3_KEYS = tuple(f"pos_up_q{q}_{part}" for part in ("first", "rest") for q in (1, 2, 3, 4))
 
 
+def fig3_parts(steps: int) -> tuple:
+    """``(part, label)`` of the two step ranges of :data:`FIG3_KEYS` in a run of ``steps`` steps."""
+    return ("first", f"steps 1-{FIRST_STEPS}"), ("rest", f"steps {FIRST_STEPS + 1}-{steps}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="openrlhf-lopti study",
@@ -119,9 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name != "people":
             flag = "--" + name.replace("_", "-")
             p.add_argument(flag, type=type(value), default=value, help=f"{SETTING_HELP[name]} (default {value})")
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+    p.add_argument("--optimizer", default=SETTING_EXTRAS["optimizer"], choices=OPTIMIZERS,
                    help="optimizer of the RL runs: adamw, or sgd (plain gradient steps; default adamw)")  # fmt: skip
-    p.add_argument("--train-args", default="",
+    p.add_argument("--train-args", default=SETTING_EXTRAS["train_args"],
                    help="more `openrlhf-lopti train` flags for every run, one quoted string, e.g. \"--lr 5e-5 "
                    "--momentum 0.9\"; given last, they override the study's value of a flag both set")  # fmt: skip
     p.add_argument("--loss-backend", default="auto", choices=("auto", "triton", "cpp", "torch"))
@@ -322,7 +327,7 @@ def train_command(out: Path, setting: dict, method: str, seed: int) -> list:
         "--people", ",".join(map(str, setting["people"])), "--lr", str(setting["lr"]), "--mini-batch-size", "64",
         "--eval-prompts", str(setting["eval_prompts"]), "--loss-backend", setting["loss_backend"],
         "--device", "cpu", "--track-direction", "--no-progress", "--threads", "1",
-        "--optimizer", setting.get("optimizer", "adamw"), *shlex.split(setting.get("train_args", "")),
+        "--optimizer", setting["optimizer"], *shlex.split(setting["train_args"]),
     ]  # fmt: skip
     if (rd / "checkpoint.pt").exists():
         argv.append("--resume")
@@ -559,9 +564,7 @@ def optimizer_text(train: dict) -> str:
 
 def fig3_tables(result: dict) -> list:
     """Markdown lines: the Fig. 3 share per quartile, steps 1-5 and the rest, per method and paired vs GRPO."""
-    steps = result["setting"]["steps"]
-    parts = (("first", f"steps 1-{FIRST_STEPS}"), ("rest", f"steps {FIRST_STEPS + 1}-{steps}"))
-    head = " | ".join(f"Q{q}, {label}" for part, label in parts for q in (1, 2, 3, 4))
+    head = " | ".join(f"Q{q}, {label}" for _, label in fig3_parts(result["setting"]["steps"]) for q in (1, 2, 3, 4))
     lines = ["Paper Fig. 3 by probability quartile (Q1 p < .25 ... Q4 p >= .75): the share of A>0 tokens whose p "
              "rose after the update, pooled over the steps.", "", f"| method | {head} |", "|" + "---|" * 9]  # fmt: skip
     for m in result["methods"]:
@@ -613,8 +616,7 @@ def plot_study(out: Path, result: dict, path: Path) -> None:
         ax.set_title(label)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
-    parts = (("first", f"steps 1-{FIRST_STEPS}"), ("rest", f"steps {FIRST_STEPS + 1}-{steps}"))
-    for ax, (part, label) in zip(axes[2], parts):
+    for ax, (part, label) in zip(axes[2], fig3_parts(steps)):
         for m in result["methods"]:
             cis = [result["per_method"][m][f"pos_up_q{q}_{part}"] for q in (1, 2, 3, 4)]
             band(ax, [1, 2, 3, 4], cis, m, marker="o")
@@ -657,7 +659,7 @@ def compare_markdown(results: list) -> str:
     """Studies side by side (``results``: ``(label, study.json)`` pairs): per method, its paired difference against GRPO
     on held-out accuracy, late reward and the Fig. 3 share per quartile (steps 1-5 and the rest)."""
     lines = ["| study | setting | seeds | method | held-out acc. | reward, last 20% | " +
-             " | ".join(f"Q{q} up, {part}" for part in ("1-5", "rest") for q in (1, 2, 3, 4)) + " |",
+             " | ".join(f"Q{q} up, {part}" for part in (f"1-{FIRST_STEPS}", "rest") for q in (1, 2, 3, 4)) + " |",
              "|" + "---|" * 14]  # fmt: skip
     for label, result in results:
         setting = optimizer_text(result["train_config"])
