@@ -82,7 +82,7 @@ def test_unmasked_nan_is_ignored_but_masked_nan_is_an_error():
     old = torch.tensor([-0.1, float("nan")])
     low, high = lopti_phases(old, torch.tensor([True, False]))
     assert low.tolist() == [False, False] and high.tolist() == [True, False]  # p = 0.905: high; NaN row: neither
-    with pytest.raises(ValueError, match=r"^old_log_probs contains NaN on masked \(response\) tokens$"):
+    with pytest.raises(ValueError, match=r"^old_log_probs contains NaN on 1 response token\(s\)$"):
         lopti_phases(old, torch.tensor([True, True]))
 
 
@@ -141,7 +141,7 @@ def test_bad_arguments(kwargs, match):
 
 
 def test_shape_mismatch():
-    with pytest.raises(ValueError, match="action_mask"):
+    with pytest.raises(ValueError, match="response_mask"):
         lopti_phases(torch.zeros(3), torch.ones(4, dtype=torch.bool))
 
 

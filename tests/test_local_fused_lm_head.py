@@ -122,10 +122,10 @@ def test_update_with_fused_lm_head_equals_unfused(tiny, backend, float64):
     order = [runs[key] for key in ((True, torch.float32), (False, torch.float32), (True, torch.float64),
                                    (False, torch.float64))]  # fmt: skip
     metrics = [m for m, _ in order]
-    assert metrics[1]["phase1_tokens"] > 0 and metrics[1]["phase2_tokens"] > 0
-    for key in ("loss", "entropy", "grad_norm", "phase1_loss", "phase2_loss"):
+    assert metrics[1]["lopti/low/tokens"] > 0 and metrics[1]["lopti/high/tokens"] > 0
+    for key in ("loss", "entropy", "grad_norm", "lopti/low/policy_loss", "lopti/high/policy_loss"):
         scalars_same_computation(key, *(m[key] for m in metrics), a_name="fused", b_name="unfused")
-    for key in ("clip_ratio", "phase1_tokens", "phase2_tokens"):  # counts: the same tokens in every run
+    for key in ("clip_ratio", "lopti/low/tokens", "lopti/high/tokens"):  # counts: the same tokens in every run
         assert len({m[key] for m in metrics}) == 1, (key, [m[key] for m in metrics])
     moved = 0.0
     for name, _ in model.named_parameters():

@@ -14,7 +14,7 @@ from openrlhf_lopti.local import trainer as trainer_module
 from openrlhf_lopti.local.trainer import LocalTrainer, read_metrics
 from openrlhf_lopti.local.warmup import supervised_warmup
 
-TIMING = ("rollout_s", "train_s", "phase1_s", "phase2_s")  # wall times: differ from run to run
+TIMING = ("rollout_s", "train_s", "lopti/low/train_s", "lopti/high/train_s")  # wall times: differ from run to run
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +43,10 @@ def test_a_run_writes_metrics_checkpoint_plots_and_a_loadable_model(model_dir, t
     cfg = config(model_dir, tmp_path / "run", lopti=True, alpha=0.3, eval_prompts=4)
     rows = LocalTrainer(cfg).run()
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    for key in ("reward", "accuracy", "kl", "low_token_fraction", "mean_ar_weight", "clip_ratio", "grad_norm",
-                "phase1_loss", "phase2_loss", "entropy"):  # fmt: skip
+    for key in ("reward", "accuracy", "kl", "lopti/low_token_frac", "ar/mean_weight", "clip_ratio", "grad_norm",
+                "lopti/low/policy_loss", "lopti/high/policy_loss", "entropy"):  # fmt: skip
         assert all(key in r for r in rows), key
-    assert 0.7 <= rows[0]["mean_ar_weight"] <= 1.0
+    assert 0.7 <= rows[0]["ar/mean_weight"] <= 1.0
     assert "eval_accuracy" in rows[-1] and "eval_accuracy" not in rows[0]
     out = tmp_path / "run"
     assert (out / "plots.png").stat().st_size > 0

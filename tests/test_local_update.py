@@ -169,7 +169,9 @@ def test_lopti_runs_two_phases_in_order_on_updated_weights(peaked, monkeypatch, 
         # every option reaches the loss (cfg_for's values, TrainConfig's defaults otherwise)
         forwarded = {key: call[key] for key in ("eps_low", "eps_high", "kl_coef", "kl_estimator", "backend")}
         assert forwarded == {"eps_low": 0.2, "eps_high": 0.24, "kl_coef": 0.0, "kl_estimator": "k3", "backend": "torch"}
-    assert metrics["phase1_tokens"] == int(expected[0].sum()) and metrics["phase2_tokens"] == int(expected[1].sum())
+    first_name, second_name = ("low", "high") if order == "low_first" else ("high", "low")
+    assert metrics[f"lopti/{first_name}/tokens"] == int(expected[0].sum())
+    assert metrics[f"lopti/{second_name}/tokens"] == int(expected[1].sum())
     # phase 2 recomputed its forward with the weights phase 1 changed (rows are permuted: compare sorted values;
     # each call holds its phase's tokens only)
     assert not torch.allclose(second["logits"].sort(0).values, start[expected[1]].sort(0).values)
@@ -257,8 +259,8 @@ def test_lopti_token_mean_uses_all_response_tokens(peaked, float64):
     runs = losses(model, exp)
     with float64():
         runs64 = losses(*float64_copy(model, exp))
-    assert runs[True]["phase1_tokens"] + runs[True]["phase2_tokens"] == int(exp.rollout.action_mask.sum())
-    for name, of in (("loss", lambda m: m["loss"]), ("phase sum", lambda m: m["phase1_loss"] + m["phase2_loss"])):
+    assert runs[True]["lopti/low/tokens"] + runs[True]["lopti/high/tokens"] == int(exp.rollout.action_mask.sum())
+    for name, of in (("loss", lambda m: m["loss"]), ("phase sum", lambda m: m["lopti/low/policy_loss"] + m["lopti/high/policy_loss"])):
         scalars_same_computation(name, of(runs[True]), runs[False]["loss"], of(runs64[True]), runs64[False]["loss"],
                                  a_name="lopti", b_name="grpo")  # fmt: skip
 
@@ -268,7 +270,7 @@ def test_an_empty_phase_is_skipped(tiny):
     exp = fixed_experience(model, tok, temperature=1.0)  # random model: every p << 0.99
     cfg = cfg_for(lopti=True, eta=0.99)
     m = update_policy(copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=1e-3), exp, cfg)
-    assert m["phase2_tokens"] == 0 and m["phase1_tokens"] > 0
+    assert m["lopti/high/tokens"] == 0 and m["lopti/low/tokens"] > 0
     assert m["optimizer_steps"] == 1
 
 
@@ -434,13 +436,14 @@ def test_lopti_metrics_match_the_phases_written_out(peaked, float64):
                           torch.Generator().manual_seed(0))  # fmt: skip
         m["wall"] = time.perf_counter() - wall
         written = dict(loss=0.0, clipped=0.0, entropy=0.0, norms=0.0)
-        for k, tokens in ((1, low), (2, high)):
+        for k, tokens in (("low", low), ("high", high)):
             reference = copy.deepcopy(model)
             out = written_loss(reference, exp, cfg, tokens, 0.0)
             _, norm = written_grads(reference, out["loss"].sum() / n)
             clipped = float(out["clipped"].double().sum())
-            written.update({f"phase{k}_loss": float(out["loss"].detach().sum()) / n, f"phase{k}_grad_norm": norm,
-                            f"phase{k}_clipped": clipped, f"phase{k}_tokens": int(tokens.sum())})  # fmt: skip
+            written.update({f"lopti/{k}/policy_loss": float(out["loss"].detach().sum()) / n,
+                            f"lopti/{k}/grad_norm": norm, f"lopti/{k}/clipped": clipped,
+                            f"lopti/{k}/tokens": int(tokens.sum())})  # fmt: skip
             written["loss"] += float(out["loss"].detach().sum()) / n
             written["clipped"] += clipped
             written["entropy"] += float(out["entropy"].sum()) / n
@@ -450,17 +453,17 @@ def test_lopti_metrics_match_the_phases_written_out(peaked, float64):
     m, written = both(model, exp)
     with float64():
         m64, written64 = both(*float64_copy(model, exp))
-    pairs = {f"phase{k}_{name}": f"phase{k}_{name}" for k in (1, 2) for name in ("loss", "grad_norm")}
+    pairs = {f"lopti/{k}/{name}": f"lopti/{k}/{name}" for k in ("low", "high") for name in ("policy_loss", "grad_norm")}
     pairs.update(loss="loss", entropy="entropy", grad_norm="norms")
     for key, written_key in pairs.items():
         scalars_same_computation(key, m[key], written[written_key], m64[key], written64[written_key],
                                  a_name="update_policy", b_name="written out")  # fmt: skip
-    for k in (1, 2):  # counts: the same tokens
-        assert 0 < written[f"phase{k}_clipped"] < written[f"phase{k}_tokens"]
-        assert m[f"phase{k}_tokens"] == written[f"phase{k}_tokens"]
-        assert m[f"phase{k}_clip_ratio"] == pytest.approx(written[f"phase{k}_clipped"] / written[f"phase{k}_tokens"])
-        assert m[f"phase{k}_s"] >= 0
-    assert m["phase1_s"] + m["phase2_s"] <= m["wall"]
+    for k in ("low", "high"):  # counts: the same tokens
+        assert 0 < written[f"lopti/{k}/clipped"] < written[f"lopti/{k}/tokens"]
+        assert m[f"lopti/{k}/tokens"] == written[f"lopti/{k}/tokens"]
+        assert m[f"lopti/{k}/clip_ratio"] == pytest.approx(written[f"lopti/{k}/clipped"] / written[f"lopti/{k}/tokens"])
+        assert m[f"lopti/{k}/train_s"] >= 0
+    assert m["lopti/low/train_s"] + m["lopti/high/train_s"] <= m["wall"]
     assert m["optimizer_steps"] == 4  # 2 phases x 2 epochs x 1 mini-batch
     assert m["clip_ratio"] == pytest.approx(written["clipped"] / n)
 
@@ -499,19 +502,19 @@ def test_a_batch_of_one_token(peaked, float64):
         m = update_policy(policy, torch.optim.SGD(policy.parameters(), lr=0.1), exp, cfg,
                           torch.Generator().manual_seed(0))  # fmt: skip
         written = dict(loss=float(out["loss"][0].detach()), entropy=float(out["entropy"][0]), grad_norm=norm)
-        return m, dict(written, phase1_loss=written["loss"]), bool(out["clipped"][0])
+        return m, dict(written, **{"lopti/low/policy_loss": written["loss"]}), bool(out["clipped"][0])
 
     # values by the rule of tests/numerics.py: both again on float64 copies of the model and experience
     m, written, clipped = both(model, exp)
     with float64():
         m64, written64, _ = both(*float64_copy(model, exp))
     assert clipped and written["grad_norm"] > 0
-    assert m["phase1_tokens"] == 1 and m["phase2_tokens"] == 0
-    for key in ("loss", "phase1_loss", "entropy", "grad_norm"):
+    assert m["lopti/low/tokens"] == 1 and m["lopti/high/tokens"] == 0
+    for key in ("loss", "lopti/low/policy_loss", "entropy", "grad_norm"):
         scalars_same_computation(key, m[key], written[key], m64[key], written64[key], a_name="update_policy",
                                  b_name="written out")  # fmt: skip
-    assert m["clip_ratio"] == 1.0 and m["phase1_clip_ratio"] == 1.0
-    assert m["phase2_loss"] == 0.0 and m["phase2_clip_ratio"] == 0.0 and m["phase2_grad_norm"] == 0.0
+    assert m["clip_ratio"] == 1.0 and m["lopti/low/clip_ratio"] == 1.0
+    assert m["lopti/high/policy_loss"] == 0.0 and m["lopti/high/clip_ratio"] == 0.0 and m["lopti/high/grad_norm"] == 0.0
 
 
 def test_a_batch_without_response_tokens_takes_no_step(tiny):

@@ -147,7 +147,7 @@ def test_micro_batches_without_a_phase_token_are_skipped_and_the_update_is_uncha
     cfg = config(eta=eta_with_low_tokens(experience, N_LOW), fused_lm_head=fused_lm_head)
     (ours, our_forwards, metrics), (reference, _, micro_batches) = run_both(model, experience, cfg)
     phase_tokens = [int(tokens.sum()) for tokens in micro_batches]
-    assert metrics["phase1_tokens"] == N_LOW
+    assert metrics["lopti/low/tokens"] == N_LOW
     assert phase_tokens.count(0) >= 8  # micro-batches of one response, 3 low tokens: most hold none
     # whole mini-batches of the low phase without a low token: their optimizer step must still happen
     pairs = [phase_tokens[i : i + 2] for i in range(0, 16, 2)]  # the low phase: 2 epochs x 4 mini-batches of 2
@@ -192,7 +192,7 @@ def test_each_forward_runs_on_the_phases_responses_up_to_its_last_token(tiny, ex
     low = [(int(t.any(-1).sum()), int(t.any(0).nonzero().max()) + 1) for t in micro_batches[:2] if t.any()]
     assert sum(n for n, _ in low) <= N_LOW and min(last for _, last in low) < micro_batches[0].shape[1]
     assert head.rows == [int(tokens.sum()) for tokens in micro_batches if tokens.any()]
-    assert metrics["phase1_tokens"] == N_LOW and metrics["optimizer_steps"] == 2
+    assert metrics["lopti/low/tokens"] == N_LOW and metrics["optimizer_steps"] == 2
     assert_same_parameters(model, ours, reference, experience, cfg, monkeypatch)
 
 

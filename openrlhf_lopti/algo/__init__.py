@@ -1,11 +1,22 @@
-"""The method as plain torch: AR weights, Lopti phases, the per-token policy loss (single source of truth).
+"""The method as plain torch: AR weights, the Lopti round, the per-token policy loss (single source of truth).
 
 Nothing here imports ray, deepspeed, vllm or openrlhf.
 """
 
 from .advantage import ar_weight, check_alpha, reweight_advantages
 from .direction import DIRECTION_EDGES, direction_counts, direction_metrics, sum_direction_counts
-from .lopti import LOPTI_ORDERS, check_lopti_args, lopti_phases
+from .lopti import LOPTI_ORDERS, check_lopti_args
+from .lopti_round import (
+    PHASE_NAMES,
+    LoptiRound,
+    LoptiSettings,
+    Phase,
+    lopti_on,
+    lopti_phases,
+    lopti_settings,
+    plan_round,
+    round_threshold,
+)
 from .policy_loss import (
     KL_ESTIMATORS,
     PolicyLossOutput,
@@ -19,6 +30,10 @@ __all__ = [
     "DIRECTION_EDGES",
     "KL_ESTIMATORS",
     "LOPTI_ORDERS",
+    "LoptiRound",
+    "LoptiSettings",
+    "PHASE_NAMES",
+    "Phase",
     "PolicyLossOutput",
     "approx_kl",
     "ar_weight",
@@ -27,9 +42,13 @@ __all__ = [
     "direction_counts",
     "direction_metrics",
     "lopti_phases",
+    "lopti_on",
+    "lopti_settings",
+    "plan_round",
     "policy_loss_from_logits",
     "policy_loss_from_logp",
     "reweight_advantages",
+    "round_threshold",
     "sum_direction_counts",
     "token_logprobs",
 ]

@@ -462,7 +462,9 @@ def run_summary(rows: list) -> dict:
         "eval_accuracy": rows[-1].get("eval_accuracy") if rows else None,
         "reward_last": window_mean(rows, "reward", first=False),
         "reward_first": window_mean(rows, "reward", first=True),
-        "low_token_fraction": sum(r["low_token_fraction"] for r in rows) / max(len(rows), 1),
+        # runs written before the metric names were unified (issue 32) logged it as low_token_fraction
+        "low_token_fraction": sum(r.get("lopti/low_token_frac", r.get("low_token_fraction", 0.0)) for r in rows)
+        / max(len(rows), 1),
         "token_share_by_bin": [t / total for t in tokens],
     }
     for q in (1, 2, 3, 4):

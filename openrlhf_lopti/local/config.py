@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from openrlhf_lopti.algo import KL_ESTIMATORS, check_alpha, check_lopti_args
+from openrlhf_lopti.algo import KL_ESTIMATORS, check_alpha, check_lopti_args, lopti_on
 
 from .advantages import ESTIMATORS
 from .task import PROMPT_STYLES
@@ -97,6 +97,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.people = [int(p) for p in self.people]
+        self.lopti = lopti_on(self.lopti, self.lopti_quantile)  # a quantile alone turns Lopti on, as everywhere
         self.validate()
 
     def validate(self) -> None:

@@ -119,7 +119,7 @@ def summarize(method: str, rows: list, seconds: float, cpu_seconds: float) -> di
         "accuracy_last": window_mean(rows, "accuracy", False),
         "eval_accuracy": last.get("eval_accuracy", float("nan")),
         "kl_last": window_mean(rows, "kl", False),
-        "low_token_fraction_last": window_mean(rows, "low_token_fraction", False),
+        "low_token_fraction_last": window_mean(rows, "lopti/low_token_frac", False),
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
     }

@@ -8,7 +8,7 @@ PANELS = (
     ("reward", "reward (K&K: paper rule, [-3, 3])"),
     ("accuracy", "accuracy (K&K: all roles right; else mean score)"),
     ("kl", "KL(policy || reference), k3"),
-    ("low_token_fraction", "fraction of tokens with p < eta"),
+    ("lopti/low_token_frac", "fraction of tokens with p < the Lopti threshold"),
 )
 # Added when the rows have them (--track-direction): paper Fig. 3 per step, lowest and highest bin.
 DIRECTION_PANELS = (

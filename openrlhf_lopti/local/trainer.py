@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from openrlhf_lopti.algo import approx_kl, ar_weight, direction_counts, direction_metrics
+from openrlhf_lopti.algo import approx_kl, direction_counts, direction_metrics, lopti_settings, plan_round
 from openrlhf_lopti.errors import UserError, check_model_dir
 from openrlhf_lopti.outputs import prepare_out_dir
 
@@ -193,7 +193,6 @@ class LocalTrainer:
 
         mask = exp.rollout.action_mask
         tokens = mask.sum().clamp(min=1)
-        probs = exp.old_log_probs.exp()
         metrics = {"step": self.step + 1, "reward": float(exp.rewards.mean())}
         if exp.correct is not None:  # K&K: every role right; a reward file: the mean of its scores
             metrics["accuracy"] = float(exp.correct.float().mean())
@@ -202,11 +201,11 @@ class LocalTrainer:
         metrics.update({f"reward/{k}": float(v.float().mean()) for k, v in exp.extra.items()})
         if self.data is not None:
             metrics["epoch"] = epochs_done(len(self.data), self.step + 1, cfg.prompts_per_step)
-        metrics |= {
-            "response_tokens": float(mask.sum(-1).float().mean()),
-            "low_token_fraction": float(((probs < cfg.eta) & mask).sum() / tokens),
-            "mean_ar_weight": float((ar_weight(exp.old_log_probs, cfg.alpha) * mask).sum() / tokens),
-        }
+        metrics["response_tokens"] = float(mask.sum(-1).float().mean())
+        if not cfg.lopti and cfg.eta > 0:
+            # the share of tokens Lopti would put in its low phase, logged for every method so that runs compare
+            diagnostic = plan_round(exp.old_log_probs, mask, lopti_settings(True, cfg.eta, cfg.lopti_order))
+            metrics["lopti/low_token_frac"] = diagnostic.metrics["lopti/low_token_frac"]
         if exp.ref_log_probs is not None:
             kl = approx_kl(exp.old_log_probs, exp.ref_log_probs, cfg.kl_estimator)
             metrics["kl"] = float((kl * mask).sum() / tokens)

@@ -1,7 +1,7 @@
 """The policy update on one batch of experience: Lopti phases x epochs x mini-batches x micro-batches.
 
 The per-token loss is :func:`openrlhf_lopti.ops.fused_policy_loss` (AR is its ``alpha``) and the phases
-are :func:`openrlhf_lopti.algo.lopti_phases`: the same code the OpenRLHF actor runs. A Lopti round
+are :func:`openrlhf_lopti.algo.plan_round`'s: the same round the OpenRLHF, TRL and verl front ends drive. A Lopti round
 (PAPER_NOTES.md §4, the authors' code):
 
 - phase k trains on its tokens only: other tokens' advantages are zeroed AND the phase mask is the
@@ -33,7 +33,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from openrlhf_lopti.algo import lopti_phases
+from openrlhf_lopti.algo import LoptiRound, lopti_settings, plan_round
 from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss
 
 from .config import TrainConfig
@@ -53,11 +53,11 @@ def build_optimizers(params: list, cfg: TrainConfig) -> list:
     return [torch.optim.AdamW(params, lr=cfg.step_lr, weight_decay=cfg.weight_decay) for _ in range(count)]
 
 
-def phase_masks(exp: Experience, cfg: TrainConfig) -> list:
-    """``[B, T]`` bool masks of the update phases in order: Lopti's two, or the whole action mask."""
-    if cfg.lopti:
-        return lopti_phases(exp.old_log_probs, exp.rollout.action_mask, cfg.eta, cfg.lopti_order, cfg.lopti_quantile)
-    return [exp.rollout.action_mask]
+def plan_lopti_round(exp: Experience, cfg: TrainConfig) -> LoptiRound:
+    """The batch's round (``algo.plan_round`` on one process): Lopti's two phases in order, or the whole response
+    mask as one phase "all"; its metrics are ``ar/mean_weight``, ``lopti/threshold``, ``lopti/low_token_frac``..."""
+    lopti = lopti_settings(cfg.lopti, cfg.eta, cfg.lopti_order, cfg.lopti_quantile)
+    return plan_round(exp.old_log_probs, exp.rollout.action_mask, lopti, cfg.alpha)
 
 
 def phase_part(rollout: Rollout, rows: torch.Tensor, phase: torch.Tensor) -> Optional[tuple]:
@@ -95,9 +95,10 @@ def update_policy(
     Returns:
         ``loss`` (token-mean over the batch's response tokens, summed over phases, averaged over epochs),
         ``clip_ratio`` and ``entropy`` (token means over trained tokens), ``grad_norm`` (mean over
-        optimizer steps, before clipping), ``optimizer_steps``; with Lopti also ``phase{k}_loss``,
-        ``phase{k}_tokens``, ``phase{k}_clip_ratio``, ``phase{k}_grad_norm``, ``phase{k}_s`` (wall seconds)
-        for k = 1, 2 in update order.
+        optimizer steps, before clipping), ``optimizer_steps``; the round's metrics (``ar/mean_weight`` with AR;
+        ``lopti/threshold``, ``lopti/low_token_frac``, ``lopti/<phase>/tokens`` with Lopti: ``algo.plan_round``);
+        with Lopti also, per phase (``low``, ``high``), ``lopti/<phase>/policy_loss``, ``lopti/<phase>/clip_ratio``,
+        ``lopti/<phase>/grad_norm`` and ``lopti/<phase>/train_s`` (wall seconds).
     """
     rollout = exp.rollout
     batch = len(rollout)
@@ -112,14 +113,15 @@ def update_policy(
     clipped_all = entropy_all = trained_all = 0.0
     norms_all = []
     policy.train()
-    phases = phase_masks(exp, cfg)
+    lopti_round = plan_lopti_round(exp, cfg)
+    phases = lopti_round.phases
+    metrics.update(lopti_round.metrics)
     optimizers = list(optimizer) if isinstance(optimizer, Sequence) else [optimizer]
     if len(optimizers) not in (1, len(phases)):
         raise ValueError(f"optimizer: one, or one per phase ({len(phases)}), got {len(optimizers)}")
-    for k, phase in enumerate(phases, start=1):
+    for k, (name, phase, phase_tokens) in enumerate(((p.name, p.mask, p.tokens) for p in phases), start=1):
         optimizer = optimizers[(k - 1) % len(optimizers)]
         start = time.perf_counter()
-        phase_tokens = int(phase.sum())
         loss_sum = clipped = entropy = 0.0
         norms = []
         if phase_tokens:  # an empty phase is skipped but keeps its number
@@ -175,11 +177,10 @@ def update_policy(
         clipped_all, entropy_all, trained_all = clipped_all + clipped, entropy_all + entropy, trained_all + trained
         norms_all += norms
         if cfg.lopti:
-            metrics[f"phase{k}_tokens"] = phase_tokens
-            metrics[f"phase{k}_loss"] = loss_sum / max(total_tokens * cfg.epochs, 1)
-            metrics[f"phase{k}_clip_ratio"] = clipped / max(trained, 1)
-            metrics[f"phase{k}_grad_norm"] = sum(norms) / len(norms) if norms else 0.0
-            metrics[f"phase{k}_s"] = time.perf_counter() - start
+            metrics[f"lopti/{name}/policy_loss"] = loss_sum / max(total_tokens * cfg.epochs, 1)
+            metrics[f"lopti/{name}/clip_ratio"] = clipped / max(trained, 1)
+            metrics[f"lopti/{name}/grad_norm"] = sum(norms) / len(norms) if norms else 0.0
+            metrics[f"lopti/{name}/train_s"] = time.perf_counter() - start
     metrics["clip_ratio"] = clipped_all / max(trained_all, 1)
     metrics["entropy"] = entropy_all / max(trained_all, 1)
     metrics["grad_norm"] = sum(norms_all) / len(norms_all) if norms_all else 0.0
