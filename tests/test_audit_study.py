@@ -178,3 +178,91 @@ def test_a_study_written_before_optimizer_and_train_args_resumes(tmp_path):
     assert json.loads((out / SETTINGS_FILE).read_text()) == {"steps": 3}  # untouched
     with pytest.raises(ValueError, match="settings differ: optimizer"):
         open_study(out, {"steps": 3, "optimizer": "sgd", "train_args": ""}, overwrite=False)
+
+
+# ---------------------------------------------------------------- the paired analysis on hand-made runs
+# Three seeds whose GRPO runs differ a lot from seed to seed (0, 10, 20) while each method's difference from GRPO on
+# the same seed is known: the paired mean, its sign and its t interval are pinned, and an unpaired comparison (or the
+# difference taken the other way round, GRPO - method) gives other numbers.
+HAND_SEEDS = [0, 1, 2]
+HAND_STEPS = 10  # FIRST_STEPS (5) steps for Fig. 3's "first" part, 5 for its "rest"
+GRPO_REWARD = [0.0, 10.0, 20.0]
+GRPO_ACCURACY = [0.2, 0.5, 0.8]
+GRPO_UP_FIRST, GRPO_UP_REST = [0.5, 0.6, 0.7], [0.3, 0.4, 0.5]
+# method - GRPO on each seed, per metric: AR gains, Lopti loses reward; AR's Fig. 3 share falls in the first steps
+DIFFS = {
+    "ar": {"reward": [1.0, 2.0, 3.0], "accuracy": [0.10, 0.11, 0.12], "up_first": [-0.01, -0.02, -0.03],
+           "up_rest": [0.04, 0.05, 0.06]},
+    "lopti": {"reward": [-1.0, -2.0, -3.0], "accuracy": [0.0, 0.0, 0.0], "up_first": [0.0, 0.0, 0.0],
+              "up_rest": [0.0, 0.0, 0.0]},
+}  # fmt: skip
+T2 = t_quantile(0.975, 2)  # two-sided 95% Student's t, 2 degrees of freedom: 4.303 (T_975 above)
+
+
+def hand_made_study(out) -> dict:
+    """A finished study folder written by hand (warm-ups and runs' metrics.jsonl); returns its setting."""
+    from openrlhf_lopti.audit.study import SETTING_DEFAULTS, WARMUP_DONE_FILE, run_dir, warmup_dir
+
+    setting = {**SETTING_DEFAULTS, "people": [2], "steps": HAND_STEPS, "loss_backend": "torch",
+               "optimizer": "adamw", "train_args": ""}  # fmt: skip
+    for seed in HAND_SEEDS:
+        warm = warmup_dir(out, seed)
+        warm.mkdir(parents=True)
+        (warm / WARMUP_DONE_FILE).write_text(json.dumps({"eval_accuracy": 0.3, "warmup_steps": 5, "parameters": 1000}))
+        for method in ("grpo", *DIFFS):
+            d = {k: v[seed] for k, v in DIFFS[method].items()} if method != "grpo" else dict.fromkeys(DIFFS["ar"], 0.0)
+            rows = []
+            for step in range(1, HAND_STEPS + 1):
+                first = step <= FIRST_STEPS
+                up = GRPO_UP_FIRST[seed] + d["up_first"] if first else GRPO_UP_REST[seed] + d["up_rest"]
+                rows.append({"step": step, "reward": GRPO_REWARD[seed] + d["reward"], "low_token_fraction": 0.1,
+                             "direction/pos_up_q4": up, "direction/pos_tokens_q4": 10.0})  # fmt: skip
+            rows[-1]["eval_accuracy"] = GRPO_ACCURACY[seed] + d["accuracy"]
+            path = run_dir(out, method, seed)
+            path.mkdir(parents=True)
+            (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return setting
+
+
+def expected_ci(diffs: list) -> tuple:
+    n = len(diffs)
+    mean = sum(diffs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (n - 1))
+    return mean, mean - T2 * sd / math.sqrt(n), mean + T2 * sd / math.sqrt(n)
+
+
+def test_paired_vs_grpo_is_method_minus_grpo_seed_by_seed_with_its_t_interval(tmp_path):
+    from openrlhf_lopti.audit.study import compare_markdown, format_markdown, summarize
+
+    out = tmp_path / "study"
+    result = summarize(out, hand_made_study(out), HAND_SEEDS, ["grpo", *DIFFS])
+    paired = result["paired_vs_grpo"]
+    assert set(paired) == {"ar", "lopti"}  # GRPO is the baseline, not paired with itself
+
+    ar = paired["ar"]["reward_last"]
+    assert (ar["mean"], ar["n"]) == (pytest.approx(2.0), 3)  # +1, +2, +3: the method's gain is positive
+    assert ar["sd"] == pytest.approx(1.0)  # the per-seed differences' spread, not the runs' (10 between seeds)
+    assert (ar["lo"], ar["hi"]) == (pytest.approx(2.0 - T2 / math.sqrt(3), abs=1e-5), pytest.approx(2.0 + T2 / math.sqrt(3), abs=1e-5))
+    assert (ar["lo"], ar["hi"]) == pytest.approx((-0.48414, 4.48414), abs=1e-5)
+    lopti = paired["lopti"]["reward_last"]
+    assert (lopti["mean"], lopti["lo"], lopti["hi"]) == pytest.approx((-2.0, -4.48414, 0.48414), abs=1e-5)
+    for key, part in (("eval_accuracy", "accuracy"), ("pos_up_q4_first", "up_first"), ("pos_up_q4_rest", "up_rest")):
+        got = paired["ar"][key]
+        assert (got["mean"], got["lo"], got["hi"]) == pytest.approx(expected_ci(DIFFS["ar"][part]), abs=1e-9), key
+    # pooled over all steps: half the steps in each part, 10 A>0 tokens each
+    whole = [(f + r) / 2 for f, r in zip(DIFFS["ar"]["up_first"], DIFFS["ar"]["up_rest"])]
+    assert paired["ar"]["pos_up_q4"]["mean"] == pytest.approx(expected_ci(whole)[0])
+    assert paired["ar"]["pos_up_q4_first"]["mean"] < 0 < paired["ar"]["pos_up_q4_rest"]["lo"]  # each part its own sign
+    # per method: plain means over seeds (not differences), e.g. AR's accuracy 0.3, 0.61, 0.92
+    assert result["per_method"]["ar"]["eval_accuracy"]["mean"] == pytest.approx(0.61)
+    assert result["per_method"]["grpo"]["reward_last"]["mean"] == pytest.approx(10.0)
+
+    # the report: signed cells, starred where the interval excludes 0
+    text = format_markdown(result)
+    ar_row = next(line for line in text.splitlines() if line.startswith("| ar | +"))
+    # (the whole-run Fig. 3 share moved by +0.015 on every seed: a zero-width interval)
+    assert ar_row == "| ar | +0.110 [+0.085, +0.135] * | +2.000 [-0.484, +4.484] | +0.015 [+0.015, +0.015] * |"
+    assert "| lopti | +0.000 [+0.000, +0.000] | -2.000 [-4.484, +0.484] | +0.000 [+0.000, +0.000] |" in text
+    assert "-0.020 [-0.045, +0.005]" in text and "+0.050 [+0.025, +0.075] *" in text  # Fig. 3, AR - GRPO
+    compared = compare_markdown([("s", result)])
+    assert "| s | AdamW lr 0.0005 | 3 | ar - grpo | +0.110 [+0.085, +0.135] * | +2.000 [-0.484, +4.484] |" in compared
