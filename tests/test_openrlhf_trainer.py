@@ -37,7 +37,7 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  #
 from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from openrlhf_lopti.algo import ar_weight  # noqa: E402
+from openrlhf_lopti.algo import ar_weight, round_threshold  # noqa: E402
 from openrlhf_lopti.cli.train_ppo_ray import parse_args  # noqa: E402
 from openrlhf_lopti.openrlhf.actor import LoptiPolicyModelActor  # noqa: E402
 from openrlhf_lopti.openrlhf.cpu.strategy import get_cpu_strategy  # noqa: E402
@@ -560,9 +560,13 @@ def test_quantile_threshold_with_no_and_with_one_response_token(env):
     args = make_args("--algo.lopti.eta", "0.3", "--algo.lopti.quantile", "0.5")
     trainer, _ = make_trainer(env, Lopti, args, make_actor(env, args))
     old = torch.log(torch.tensor([0.2, 0.6, 0.9]))
-    assert trainer._round_threshold(old, torch.tensor([False, False, False])) == 0.3  # nothing to take it of: eta
-    assert trainer._round_threshold(old, torch.tensor([False, True, False])) == pytest.approx(0.6)
-    assert trainer._round_threshold(old, torch.tensor([True, True, True])) == pytest.approx(0.6)  # the median
+
+    def threshold(response):  # the trainer's round settings and its data-parallel gather (one process here)
+        return round_threshold(old.exp()[response], trainer.lopti.lopti, trainer._gather_over_dp)
+
+    assert threshold(torch.tensor([False, False, False])) == 0.3  # nothing to take it of: eta
+    assert threshold(torch.tensor([False, True, False])) == pytest.approx(0.6)
+    assert threshold(torch.tensor([True, True, True])) == pytest.approx(0.6)  # the median
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from openrlhf_lopti.algo import LOPTI_ORDERS, check_alpha, check_lopti_args
+from openrlhf_lopti.algo import LOPTI_ORDERS, LoptiSettings, check_alpha, check_lopti_args, lopti_settings
 
 FUSED_LOSS_CHOICES = ("auto", "triton", "cpp", "torch", "off")
 LOPTI_DENOMINATORS = ("all", "phase")
@@ -43,7 +43,12 @@ class LoptiConfig:
 
     @property
     def lopti_enabled(self) -> bool:
-        return self.lopti_eta > 0 or self.lopti_quantile is not None
+        return self.lopti is not None
+
+    @property
+    def lopti(self) -> Optional[LoptiSettings]:
+        """The round's settings (``algo.lopti_settings``: eta > 0, or a quantile alone, turns Lopti on), or None."""
+        return lopti_settings(self.lopti_eta > 0, self.lopti_eta, self.lopti_order, self.lopti_quantile)
 
 
 def _arg(args: Any, dotted: str, default: Any = None) -> Any:
@@ -200,7 +205,7 @@ def check_config(args: Any) -> None:
     check_alpha(cfg.ar_alpha)
     if not (cfg.lopti_eta == 0 or 0 < cfg.lopti_eta <= 1):  # NaN fails both
         raise ValueError(f"--algo.lopti.eta must be 0 (off) or in (0, 1], got {cfg.lopti_eta}")
-    if cfg.lopti_enabled:  # with a quantile and no eta, the quantile alone sets the threshold
+    if cfg.lopti_eta > 0 or cfg.lopti_quantile is not None:  # with a quantile and no eta, the quantile alone sets it
         check_lopti_args(cfg.lopti_eta or 1.0, cfg.lopti_order, cfg.lopti_quantile)
     if cfg.lopti_denominator not in LOPTI_DENOMINATORS:
         raise ValueError(f"--algo.lopti.denominator must be one of {LOPTI_DENOMINATORS}, got {cfg.lopti_denominator!r}")

@@ -42,19 +42,17 @@ from openrlhf.utils.loss_utils import get_loss_batch_info
 from openrlhf.utils.utils import zero_pad_sequences
 from openrlhf_lopti.algo import (
     PolicyLossOutput,
-    ar_weight,
     direction_metrics,
+    plan_round,
     reweight_advantages,
     sum_direction_counts,
 )
-from openrlhf_lopti.algo.lopti import quantile_threshold
 from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss
 from openrlhf_lopti.ops.fused_policy_loss import resolve_backend
 
 from .flags import check_config, fused_backend, fused_loss_blockers, lopti_config
 from .fused import ActionRows, fused_log_probs, head_to_kernels, hf_model, lm_head_parts
 
-PHASE_NAMES = {"low_first": ("low", "high"), "high_first": ("high", "low")}
 # Upstream metrics that differ between Lopti phases: logged per phase as lopti/<phase>/<key>.
 PER_PHASE_METRICS = (
     "policy_loss", "ppo_clip_ratio", "ppo_kl", "actor_grad_norm", "kl", "entropy_loss", "logprobs_diff",
@@ -163,47 +161,35 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         if self.lopti.ar_alpha == 0 and not self.lopti.lopti_enabled:
             return super().ppo_train(kl_ctl)
         items = self.replay_buffer.items
-        # Every rank takes part in the all_reduce below, even one with an empty buffer.
+        # The round is algo.plan_round's over every data-parallel rank's items (every rank takes part in its
+        # collectives, even one with an empty buffer); each token's phase is decided there once, and every later
+        # use (the "phase" denominators, each micro-batch's step on the device) reads that decision.
         old_log_probs = torch.cat([torch.zeros(0)] + [i.action_log_probs.flatten().cpu().float() for i in items])
         response = torch.cat([torch.zeros(0, dtype=torch.bool)] + [i.action_mask.flatten().cpu().bool() for i in items])
-
-        sums = {"tokens": response.sum().item()}
-        if self.lopti.ar_alpha > 0:
-            sums["ar_weight"] = ar_weight(old_log_probs, self.lopti.ar_alpha)[response].sum().item()
-        if self.lopti.lopti_enabled:
-            self.lopti_threshold = self._round_threshold(old_log_probs, response)
-            # Each token's phase is decided here, once, and every later use (the counts, the "phase" denominators,
-            # each micro-batch's step on the device) reads this decision: splitting again elsewhere could round
-            # exp differently (another device) and put a token at the threshold in both phases or in neither.
-            # (lopti_phases' rule, p < threshold, without its NaN check: one rank raising before the all_reduce
-            # below would leave the others waiting; a NaN token counts as high, as it always has here)
-            low = response & (old_log_probs.exp() < self.lopti_threshold)
-            sizes = [item.action_log_probs.numel() for item in items]
-            self._low_tokens = {
-                id(item): part.reshape(item.action_log_probs.shape) for item, part in zip(items, low.split(sizes))
-            }
-            sums["low"] = low.sum().item()
-        sums = self.strategy.all_reduce(sums, op="sum")  # over data-parallel ranks
-
-        metrics = {}
-        tokens = max(sums["tokens"], 1.0)
-        if self.lopti.ar_alpha > 0:
-            metrics["ar/mean_weight"] = sums["ar_weight"] / tokens
-        if not self.lopti.lopti_enabled or sums["tokens"] == 0:
+        lopti_round = plan_round(
+            old_log_probs, response, self.lopti.lopti, self.lopti.ar_alpha,
+            gather=self._gather_over_dp, all_reduce=lambda sums: self.strategy.all_reduce(sums, op="sum"),
+        )  # fmt: skip
+        metrics = dict(lopti_round.metrics)
+        if not self.lopti.lopti_enabled or sum(phase.tokens for phase in lopti_round.phases) == 0:
             with self._passes_end_on_optimizer_steps():
                 return {**super().ppo_train(kl_ctl), **metrics}
 
-        counts = {"low": sums["low"], "high": sums["tokens"] - sums["low"]}
-        metrics["lopti/low_token_frac"] = counts["low"] / tokens
-        metrics["lopti/threshold"] = self.lopti_threshold
+        self.lopti_threshold = lopti_round.threshold
+        sizes = [item.action_log_probs.numel() for item in items]
+        self._low_tokens = {
+            id(item): part.reshape(item.action_log_probs.shape) for item, part in zip(items, lopti_round.low.split(sizes))
+        }
+        tokens = sum(phase.tokens for phase in lopti_round.phases)
+        share = {phase.name: phase.tokens / tokens for phase in lopti_round.phases}
         statuses = {}
-        share = {name: counts[name] / tokens for name in counts}
         schedule = self._lr_schedule_state()
-        for name in PHASE_NAMES[self.lopti.lopti_order]:
-            if counts[name] == 0:  # same decision on every rank: the counts are global
+        for phase in lopti_round.phases:
+            name = phase.name
+            if phase.tokens == 0:  # same decision on every rank: the counts are global
                 self.strategy.print(f"[openrlhf-lopti] Lopti: no '{name}' tokens in this batch, phase skipped")
                 continue
-            self.strategy.print(f"[openrlhf-lopti] Lopti phase '{name}': {counts[name] / tokens:.1%} of the tokens")
+            self.strategy.print(f"[openrlhf-lopti] Lopti phase '{name}': {share[name]:.1%} of the tokens")
             if statuses:  # a later phase: upstream's single pass would not have moved the schedule yet
                 self._restore_lr_schedule(schedule)
             self.lopti_phase = name
@@ -218,6 +204,15 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             metrics[f"lopti/{name}/train_s"] = time.perf_counter() - started  # wall seconds of the phase's pass
         merged = merge_phase_status(statuses, share, self.lopti.lopti_denominator, self.args.algo.kl.use_loss)
         return {**merged, **metrics}
+
+    def _gather_over_dp(self, values: torch.Tensor) -> torch.Tensor:
+        """``[n]`` CPU tensor -> every data-parallel rank's, concatenated (the quantile's scope)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return values
+        group = self.strategy.ds_device_mesh["dp"].get_group()
+        gathered = [None] * dist.get_world_size(group=group)
+        dist.all_gather_object(gathered, values, group=group)
+        return torch.cat(gathered)
 
     @torch.no_grad()
     def _direction_metrics(self) -> Dict[str, float]:
@@ -305,24 +300,6 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         self.actor.model.set_gradient_accumulation_boundary(boundary)
         if self.ema_model is not None:
             self.strategy.time_steps["ema"] = gas - 1 if boundary else 0  # gas > 1 here whenever boundary is False
-
-    def _round_threshold(self, old_log_probs: torch.Tensor, response: torch.Tensor) -> float:
-        """``eta``, or with ``--algo.lopti.quantile`` that quantile of the response-token probabilities of the whole
-        data-parallel batch (every rank's tokens), so every rank puts a token of a given p in the same phase."""
-        if self.lopti.lopti_quantile is None:
-            return self.lopti.lopti_eta
-        probs = old_log_probs[response].exp()
-        if dist.is_available() and dist.is_initialized():
-            group = self.strategy.ds_device_mesh["dp"].get_group()
-            gathered = [None] * dist.get_world_size(group=group)
-            dist.all_gather_object(gathered, probs, group=group)
-            probs = torch.cat(gathered)
-        if probs.numel() == 0:
-            return self.lopti.lopti_eta
-        threshold = quantile_threshold(probs, self.lopti.lopti_quantile)
-        # eta in (0, 1] like --algo.lopti.eta: a quantile of probabilities that underflow to 0 would otherwise put
-        # no token in the low phase, not even those of p = 0
-        return min(max(threshold, torch.finfo(torch.float32).tiny), 1.0)
 
     def _phase_mask(self, action_mask: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
         """Bool mask (shape of ``action_mask``) of the running phase's tokens, from ``low``: the round's decision of
