@@ -13,6 +13,9 @@ from typing import Optional
 
 from .errors import DEBUG_FLAG, UserError, run_command
 
+# The folder holding the package: a source checkout's root, where benchmarks/ is (site-packages when installed).
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # command -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS = {
     "demo": ("openrlhf_lopti.local.demo", "tiny model, warm-up, then GRPO / +AR / +Lopti / +AR+Lopti side by side"),
@@ -22,7 +25,7 @@ COMMANDS = {
     "eval": ("openrlhf_lopti.tasks.evaluate", "accuracy of generations per K&K size / math benchmark"),
     "data": ("openrlhf_lopti.tasks.data", "write OpenRLHF prompt datasets (K&K, math)"),
     "tiny-model": ("openrlhf_lopti.local.tiny_model", "a random tiny Llama + K&K tokenizer (HF format) for dry runs"),
-    "bench": ("benchmarks.bench_policy_loss", "benchmark the fused policy loss against OpenRLHF's path"),
+    "bench": ("openrlhf_lopti.cli.bench_loss_head", "benchmark the fused policy loss against OpenRLHF's path"),
     "bench-step": ("benchmarks.bench_train_step", "whole RL steps: GRPO / AR / Lopti, both trainers, every loss path"),
     "check-gpu": ("openrlhf_lopti.cli.check_gpu", "self-check the Triton kernel on this GPU + loss-head benchmark: a report"),
 }
@@ -54,11 +57,15 @@ def _run(argv: list) -> int:
         raise UserError(f"unknown command {name!r}: use one of {', '.join(COMMANDS)} (see `openrlhf-lopti --help`)")
     module_name = COMMANDS[name][0]
     if module_name.startswith("benchmarks."):
-        # benchmarks/ sits beside the package in a source checkout and is not installed with it.
-        repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        if not os.path.isdir(os.path.join(repo_root, "benchmarks")):
-            raise UserError(f"`{name}` needs a source checkout (benchmarks/ beside the package)")
-        sys.path.insert(0, repo_root)
+        # benchmarks/ sits beside the package in a source checkout and is not installed with it. The script
+        # itself must be there: site-packages may hold some other distribution's top-level `benchmarks`.
+        script = os.path.join(SOURCE_ROOT, *module_name.split(".")) + ".py"
+        if not os.path.isfile(script):
+            raise UserError(
+                f"`{name}` needs a source checkout ({module_name.replace('.', '/')}.py beside the package); "
+                "this install has none"
+            )
+        sys.path.insert(0, SOURCE_ROOT)
     say_cpu_to_deepspeed()
     module = importlib.import_module(module_name)
     return int(module.main(rest) or 0)

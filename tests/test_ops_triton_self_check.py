@@ -3,6 +3,7 @@
 conftest), and the CUDA decision is taken on a stand-in for CUDA logits (it reads only ``is_cuda`` and ``device``)."""
 
 import dataclasses
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -10,11 +11,14 @@ import torch
 
 import openrlhf_lopti.ops.triton as triton_ops
 from openrlhf_lopti.__main__ import main as cli_main
+from openrlhf_lopti.algo import PolicyLossOutput, policy_loss_from_logits
 from openrlhf_lopti.ops.fused_policy_loss import resolve_backend
 from openrlhf_lopti.ops.triton import self_check
+from openrlhf_lopti.ops.triton.policy_loss import DEFAULT_GRID_CAP, _launch_config
 from openrlhf_lopti.ops.triton.self_check import QUICK_CASES, forget_self_checks, run_self_check, triton_verified
 
 CPU = torch.device("cpu")
+INF, NAN = float("inf"), float("nan")
 
 
 @pytest.fixture(autouse=True)
@@ -24,18 +28,41 @@ def fresh_cache():
     forget_self_checks()
 
 
+def reference_kernel(logits, labels, *args, **kwargs):
+    """The torch reference dressed as the kernel (``(out, bad_rows)``): the base of the planted kernels below,
+    exact where they are not broken and far faster than the interpreted kernel."""
+    return policy_loss_from_logits(logits, labels, *args, **kwargs), torch.zeros(labels.shape, dtype=torch.bool)
+
+
 def test_the_kernel_passes_its_own_check():
     result = run_self_check(CPU)
-    assert result.ok and result.error is None, result.summary()
-    assert set(result.worst) == {"float32", "bfloat16"} and all(0 <= e <= 1 for e in result.worst.values())
-    assert {case.dtype for case in QUICK_CASES} == {torch.float32, torch.bfloat16}
+    assert result.ok and result.error is None and result.skipped == [], result.summary()
+    assert set(result.worst) == {"float32", "bfloat16", "float16"} and all(0 <= e <= 1 for e in result.worst.values())
+    assert {case.dtype for case in QUICK_CASES} == {torch.float32, torch.bfloat16, torch.float16}
     assert any(case.neg_inf for case in QUICK_CASES) and any(case.temperature != 1 for case in QUICK_CASES)
     assert all(case.v % 64 for case in QUICK_CASES)  # V not a multiple of a block
+    configs = [(case, _launch_config(case.n, case.v)) for case in QUICK_CASES]
+    # one block with 4 warps, and the build real vocabularies get: several 4096-wide blocks, 8 warps
+    assert any(case.v <= c["BLOCK_V"] and c["num_warps"] == 4 for case, c in configs)
+    assert any(case.v > 2 * c["BLOCK_V"] == 8192 and c["num_warps"] == 8 for case, c in configs)
+    # fp16 on the real-vocabulary build too, and the -inf columns in two blocks there
+    assert any(case.dtype == torch.float16 and c["num_warps"] == 8 for case, c in configs)
+    case = next(case for case, c in configs if c["BLOCK_V"] == 4096 and case.neg_inf)
+    logits = self_check._inputs(case, CPU, seed=0)["logits"]
+    blocks = {int(col) // 4096 for col in torch.isinf(logits[1]).nonzero().flatten()}
+    assert len(blocks) == 2 and not torch.isinf(logits[0]).any()
+
+
+def test_the_reference_dressed_as_the_kernel_passes(monkeypatch):
+    """The control of the planted kernels below: what fails there is the plant, not its base."""
+    monkeypatch.setattr(triton_ops, "triton_policy_loss", reference_kernel)
+    result = run_self_check(CPU)
+    assert result.ok and max(result.worst.values()) <= 0.01, result.summary()
 
 
 @pytest.mark.parametrize("field, error", [("loss", 1e-3), ("entropy", 1e-3), ("logp", 1e-3)])
 def test_a_wrong_kernel_fails_the_check_with_its_worst_error(field, error, monkeypatch):
-    kernel = triton_ops.triton_policy_loss
+    kernel = reference_kernel
 
     def off_by(*args, **kwargs):
         out, bad_rows = kernel(*args, **kwargs)
@@ -45,6 +72,128 @@ def test_a_wrong_kernel_fails_the_check_with_its_worst_error(field, error, monke
     result = run_self_check(CPU)
     assert not result.ok and max(result.worst.values()) > 1
     assert result.summary().startswith("FAILED in ")
+
+
+def nan_everywhere(logits, labels, *args, **kwargs):
+    """NaN in every output and, through them, in every entry of the gradient."""
+    nan = logits.float().sum(-1) * NAN
+    no_rows = torch.zeros(labels.shape, dtype=torch.bool)
+    return PolicyLossOutput(loss=nan, logp=nan, kl=nan.detach(), clipped=no_rows, entropy=nan), no_rows
+
+
+def nan_in_one_entropy(logits, labels, *args, **kwargs):
+    """The reference's outputs and gradients, but a NaN entropy in row 0 (kept or not, the reference's is finite)."""
+    out, bad_rows = reference_kernel(logits, labels, *args, **kwargs)
+    out.entropy = out.entropy + torch.where(torch.arange(len(labels)) == 0, NAN, 0.0)  # the gradient is unchanged
+    return out, bad_rows
+
+
+@pytest.mark.parametrize("kernel", [nan_everywhere, nan_in_one_entropy])
+def test_a_kernel_writing_nan_fails_the_check(kernel, monkeypatch):
+    """Python's max(0.0, nan) is 0.0: an error of NaN used to read as no error, and NaN everywhere passed."""
+    monkeypatch.setattr(triton_ops, "triton_policy_loss", kernel)
+    result = run_self_check(CPU)
+    assert not result.ok, result.summary()
+    assert set(result.worst) == {"float32", "bfloat16", "float16"}  # every dtype reported, none dropped as NaN
+    assert all(math.isinf(e) for e in result.worst.values()) and "float32 inf" in result.summary()
+    logits = torch.zeros(2, 5, requires_grad=True)
+    out, _ = kernel(logits, torch.tensor([1, 2]), torch.zeros(2), torch.ones(2), torch.ones(2), return_entropy=True)
+    if kernel is nan_everywhere:  # the plant is what it says: NaN outputs and NaN gradients
+        out.loss.sum().backward()
+        assert torch.isnan(out.loss).all() and torch.isnan(logits.grad).all()
+
+
+def test_a_kernel_wrong_past_the_first_vocabulary_block_fails_the_check(monkeypatch):
+    """A kernel that reads only the first BLOCK_V columns (log-sum-exp and gradient) is right on every vocabulary
+    of one block: only a quick case over several blocks catches it."""
+
+    def first_block_only(logits, labels, *args, **kwargs):
+        block = _launch_config(*logits.shape)["BLOCK_V"]
+        return reference_kernel(logits[:, :block], labels.clamp(max=block - 1), *args, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "triton_policy_loss", first_block_only)
+    result = run_self_check(CPU)
+    assert not result.ok, result.summary()
+    one_block = [case for case in QUICK_CASES if case.v <= _launch_config(case.n, case.v)["BLOCK_V"]]
+    assert one_block and run_self_check(CPU, one_block).ok  # wrong only past the first block
+
+
+def test_a_kernel_wrong_only_in_fp16_fails_the_check(monkeypatch):
+    """A kernel that reads fp16 logits as bf16 (3 mantissa bits lost) is right in fp32 and bf16."""
+
+    def fp16_as_bf16(logits, *args, **kwargs):
+        if logits.dtype == torch.float16:
+            logits = logits.to(torch.bfloat16)
+        return reference_kernel(logits, *args, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "triton_policy_loss", fp16_as_bf16)
+    result = run_self_check(CPU)
+    assert not result.ok, result.summary()
+    assert result.worst["float16"] > 1 and result.worst["float32"] <= 1 and result.worst["bfloat16"] <= 1
+
+
+@pytest.mark.parametrize(
+    "got, want, distance",
+    [
+        ([1.0, 2.0], [1.5, 2.0], 0.5),
+        ([1.0, INF, NAN, -INF], [1.5, INF, NAN, -INF], 0.5),  # the same non-finite values: compared elsewhere
+        ([1.0, 2.0], [1.0, INF], INF),  # finite where the reference is not
+        ([1.0, NAN], [1.0, 2.0], INF),
+        ([1.0, NAN], [1.0, INF], INF),  # both non-finite, not the same
+        ([1.0, -INF], [1.0, INF], INF),
+    ],
+)
+def test_the_distance_fails_any_mismatch_of_non_finite_values(got, want, distance):
+    assert self_check._distance(torch.tensor(got), torch.tensor(want))[0] == distance
+
+
+def test_a_gradient_wrong_in_the_last_row_fails_the_check_when_the_reference_runs_in_chunks(monkeypatch):
+    """The 2^31-element case runs the reference and the comparison a chunk of rows at a time: the last chunk too."""
+    case = self_check.Case(16, 1000, torch.bfloat16, neg_inf=True)
+    monkeypatch.setattr(self_check, "CHUNK_ELEMENTS", 3000)  # 3 rows a chunk: 6 chunks, the last one of 1 row
+    assert len(self_check._row_chunks(case)) == 6
+
+    def last_row_off(logits, labels, *args, **kwargs):
+        out, bad_rows = reference_kernel(logits, labels, *args, **kwargs)
+        column = logits[:, 0].float()
+        # the same values; the gradient of row N-1, column 0 moves by 0.1 * its loss weight
+        out.loss = out.loss + 0.1 * (column - column.detach()) * (torch.arange(len(labels)) == len(labels) - 1)
+        return out, bad_rows
+
+    monkeypatch.setattr(triton_ops, "triton_policy_loss", last_row_off)
+    assert not run_self_check(CPU, [case]).ok
+    monkeypatch.setattr(triton_ops, "triton_policy_loss", reference_kernel)
+    assert run_self_check(CPU, [case]).ok
+
+
+def test_the_kernel_passes_with_programs_striding_over_rows_and_the_reference_in_chunks(monkeypatch):
+    """What the N > 65,535 case checks on a GPU, at a size the interpreter runs: 3 programs for 16 rows."""
+    monkeypatch.setenv("OPENRLHF_LOPTI_TRITON_GRID_CAP", "3")
+    monkeypatch.setattr(self_check, "CHUNK_ELEMENTS", 5000)
+    result = run_self_check(CPU, [self_check.Case(16, 1000, torch.bfloat16, temperature=0.7, neg_inf=True)])
+    assert result.ok, result.summary()
+
+
+def test_the_wide_grid_goes_past_the_grid_cap_and_2_31_elements():
+    rows = [case for case in self_check.WIDE_CASES if case.n > DEFAULT_GRID_CAP]
+    elements = [case for case in self_check.WIDE_CASES if case.n * case.v >= 2**31]
+    assert rows and elements
+    # the 2^31 case holds the logits and two gradients, not the reference's fp32 temporaries: it fits on an H100
+    assert all(3 * 2**31 * 2 <= case.bytes_needed() < 20e9 for case in elements)
+    assert set(QUICK_CASES) <= set(self_check.WIDE_CASES)
+
+
+def test_a_case_larger_than_the_free_device_memory_is_skipped_and_reported(monkeypatch):
+    monkeypatch.setattr(triton_ops, "triton_policy_loss", reference_kernel)
+    small, large = QUICK_CASES[0], self_check.Case(64, 4099, torch.bfloat16)
+    assert small.bytes_needed() < large.bytes_needed()
+    monkeypatch.setattr(self_check, "_free_bytes", lambda device: large.bytes_needed() - 1)
+    result = run_self_check(CPU, [small, large])
+    gb = large.bytes_needed() / 1e9
+    assert result.ok and result.skipped == [f"N=64 V=4099 T=1.0 bfloat16 (needs {gb:.1f} GB, {gb:.1f} GB free)"]
+    assert result.summary().endswith(f"; skipped: N=64 V=4099 T=1.0 bfloat16 (needs {gb:.1f} GB, {gb:.1f} GB free)")
+    nothing = run_self_check(CPU, [large])  # nothing checked is not a pass
+    assert not nothing.ok and "no case ran" in nothing.summary()
 
 
 def test_a_kernel_that_cannot_run_fails_the_check_without_raising(monkeypatch):
@@ -89,3 +238,30 @@ def test_check_gpu_on_a_machine_without_cuda_says_so_in_one_line(capsys):
     assert cli_main(["check-gpu"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and out[0].startswith("check-gpu: no CUDA device visible to torch")
+
+
+def test_check_gpu_reports_the_skipped_cases_and_its_verdict(monkeypatch, capsys):
+    """The report on a (stand-in) GPU: the wide grid is what runs, and a case too large for it is named, not dropped."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    properties = SimpleNamespace(name="Stand-in GPU", major=9, minor=0, total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    skipped = ["N=14336 V=151936 T=1.0 bfloat16 (needs 15.2 GB, 9.0 GB free)"]
+    verdicts, seen = iter([True, False]), []
+
+    def check(device, cases):
+        seen.append(cases)
+        ok = next(verdicts)
+        return self_check.SelfCheck(ok, 1.5, {"bfloat16": 0.5 if ok else 3.0}, {"bfloat16": "N=16 V=1000 T=1.0"},
+                                    skipped=skipped)  # fmt: skip
+
+    monkeypatch.setattr(self_check, "run_self_check", check)
+    assert cli_main(["check-gpu", "--no-bench"]) == 0
+    report = capsys.readouterr().out.splitlines()
+    total = len(self_check.WIDE_CASES)
+    assert seen == [self_check.WIDE_CASES] and report[1].startswith("device: Stand-in GPU (sm_90, 80 GiB)")
+    assert report[-1] == (
+        f"self-check ({total} cases, 1 skipped, forward and backward vs the torch reference): passed in 1.5 s; "
+        "worst error / bound per dtype: bfloat16 0.5 (N=16 V=1000 T=1.0); "
+        "skipped: N=14336 V=151936 T=1.0 bfloat16 (needs 15.2 GB, 9.0 GB free)"
+    )
+    assert cli_main(["check-gpu", "--no-bench"]) == 1 and "FAILED in 1.5 s" in capsys.readouterr().out

@@ -1,0 +1,74 @@
+"""`openrlhf-lopti bench` (the loss-head benchmark) lives in the package, so it and `check-gpu` run from an installed
+package; `bench-step` stays in benchmarks/ and says in one line that it needs a source checkout."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import openrlhf_lopti
+from openrlhf_lopti.__main__ import COMMANDS
+
+INSTALLED_RUN = """
+import sys
+sys.modules["openrlhf"] = sys.modules["triton"] = None  # installed without the [openrlhf] extra, nor triton
+import openrlhf_lopti
+from openrlhf_lopti.__main__ import main
+print("package:", openrlhf_lopti.__file__)
+print("bench:", main(["bench", "--device", "cpu", "--n", "16", "--v", "96", "--seq-len", "8", "--repeats", "1",
+                      "--warmup", "0", "--backends", "openrlhf,torch,triton", "--ar-alpha", "0",
+                      "--json", "bench.json"]))
+print("bench-step:", main(["bench-step"]))
+print("benchmarks imported:", any(name.split(".")[0] == "benchmarks" for name in sys.modules))
+"""
+
+
+def test_the_package_commands_import_nothing_from_benchmarks():
+    assert COMMANDS["bench"][0] == "openrlhf_lopti.cli.bench_loss_head"
+    assert COMMANDS["check-gpu"][0] == "openrlhf_lopti.cli.check_gpu"
+    package = Path(openrlhf_lopti.__file__).parent
+    assert not [path for path in package.rglob("*.py") if "from benchmarks" in path.read_text(encoding="utf-8")]
+
+
+def test_bench_runs_from_an_installed_package_and_bench_step_says_it_needs_a_checkout(tmp_path):
+    """The package copied alone into a site folder (no benchmarks/ beside it), as `pip install` leaves it; the
+    rows whose packages are missing say so and the others run."""
+    site = tmp_path / "site"
+    shutil.copytree(Path(openrlhf_lopti.__file__).parent, site / "openrlhf_lopti",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(site), TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", INSTALLED_RUN], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert f"package: {site / 'openrlhf_lopti' / '__init__.py'}" in out
+    assert "bench: 0" in out and "bench-step: 2" in out and "benchmarks imported: False" in out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    statuses = [(row["backend"], row["status"]) for row in report["rows"]]
+    assert statuses == [("openrlhf", "not installed (openrlhf)"), ("torch", "ok"), ("triton", "not installed (triton)")]
+    assert report["versions"]["triton"] is None
+    errors = [line for line in result.stderr.splitlines() if "bench-step" in line]
+    assert errors == [
+        "openrlhf-lopti bench-step: error: `bench-step` needs a source checkout "
+        "(benchmarks/bench_train_step.py beside the package); this install has none"
+    ]
+
+
+def test_the_benchmarks_script_is_the_package_program(tmp_path, capsys):
+    from benchmarks import bench_policy_loss
+    from openrlhf_lopti.cli import bench_loss_head
+
+    # in a source checkout the JSON still goes to benchmarks/results/ by default
+    assert bench_loss_head.RESULTS_DIR == Path(bench_policy_loss.__file__).resolve().parent / "results"
+    assert bench_policy_loss.make_inputs is bench_loss_head.make_inputs
+    path = tmp_path / "bench.json"
+    argv = ["--device", "cpu", "--n", "8", "--v", "40", "--seq-len", "8", "--repeats", "1", "--warmup", "0",
+            "--backends", "torch", "--ar-alpha", "0", "--json", str(path)]  # fmt: skip
+    assert bench_policy_loss.main(argv) == 0 and json.loads(path.read_text())["benchmark"] == "bench_policy_loss"
+    with pytest.raises(SystemExit, match="2"):
+        bench_policy_loss.main(argv)  # the JSON exists: refused, under the script's own name
+    assert "bench_policy_loss: error: " in capsys.readouterr().err
