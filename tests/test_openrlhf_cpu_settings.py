@@ -87,3 +87,75 @@ def test_a_head_size_vllms_cpu_attention_refuses_stops_the_launch_before_ray(mon
     assert "\n" not in message
     assert message.startswith(f"--cpu: --actor.model_name_or_path {refused.actor.model_name_or_path}: head size 16 ")
     assert "(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)" in message
+
+
+def tiny_mixtral(path):
+    """A tiny Mixtral (4 experts, top 2, head size 32) saved with its tokenizer."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from openrlhf_lopti.local.tiny_model import build_tiny_model
+
+    config = MixtralConfig(vocab_size=320, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=128)  # fmt: skip
+    MixtralForCausalLM(config).save_pretrained(path)
+    build_tiny_model(hidden_size=64, num_layers=1, num_heads=2, vocab_size=320)[1].save_pretrained(path)
+    return path
+
+
+def test_a_mixture_of_experts_model_stops_the_launch_before_ray(monkeypatch, tmp_path):
+    import openrlhf_lopti.openrlhf.cpu.runtime as runtime
+
+    model = tiny_mixtral(tmp_path / "mixtral")
+    monkeypatch.setattr(runtime, "init_ray", lambda args: pytest.fail("Ray must not start"))
+    with pytest.raises(SystemExit) as exit_info:
+        runtime.launch_on_cpu(parse_args(BASE + ["--actor.model_name_or_path", str(model)]))
+    message = str(exit_info.value)
+    assert "\n" not in message
+    assert message.startswith(f"--cpu: --actor.model_name_or_path {model}: a mixture-of-experts model (num_local_experts = 4)")
+
+
+@pytest.mark.parametrize(
+    "fields, found",
+    [
+        ({"num_local_experts": 8}, ("num_local_experts", 8)),  # Mixtral, GPT-OSS
+        ({"num_experts": 60}, ("num_experts", 60)),  # Qwen2-MoE, OLMoE
+        ({"n_routed_experts": 64}, ("n_routed_experts", 64)),  # DeepSeek
+        ({"text_config": {"num_experts": 16}}, ("num_experts", 16)),  # a multimodal wrapper
+        ({"ffn_config": {"moe_num_experts": 16}}, ("moe_num_experts", 16)),  # DBRX
+        ({"num_experts": 0}, None),
+        ({"num_experts": None, "hidden_size": 64}, None),
+        ({}, None),
+    ],
+)
+def test_moe_configs_are_recognised(fields, found):
+    from types import SimpleNamespace
+
+    from openrlhf_lopti.openrlhf.cpu.runtime import moe_experts
+
+    if isinstance(fields.get("text_config"), dict):
+        fields = {**fields, "text_config": SimpleNamespace(**fields["text_config"])}
+    assert moe_experts(SimpleNamespace(**fields)) == found
+
+
+def test_the_cli_refuses_a_moe_model_in_one_line_within_seconds(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from .scripts import REPO
+
+    model = tiny_mixtral(tmp_path / "mixtral")
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "openrlhf_lopti.cli.train_ppo_ray", *BASE, "--actor.model_name_or_path", str(model)],
+        capture_output=True, text=True, cwd=REPO, timeout=120, env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )  # fmt: skip
+    seconds = time.monotonic() - start
+    print(f"refused in {seconds:.1f} s")
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith(f"--cpu: --actor.model_name_or_path {model}: a mixture-of-experts model"), result.stderr
+    assert "Traceback" not in result.stderr and "ray" not in result.stderr.lower().replace("array", "")
+    assert seconds < 60  # parsing and config.json only: no Ray, no vLLM (measured: about 10 s on 2 loaded cores)

@@ -20,7 +20,8 @@ when it would change results, and is noted when it is only a speed or memory set
 
 import os
 import sys
-from typing import Any, List, Tuple
+from types import SimpleNamespace
+from typing import Any, List, Optional, Tuple
 
 CPU_ENV = {"DS_ACCELERATOR": "cpu"}
 # Upstream's train() passes these to ray.init(runtime_env=...) when it starts Ray itself; we start it first.
@@ -90,6 +91,44 @@ def cpu_settings(args: Any) -> Tuple[List[str], List[str]]:
     return errors, notes
 
 
+# Config fields that count a mixture-of-experts layer's experts, in the model families transformers and vLLM know
+# (Mixtral / GPT-OSS / Phi-MoE / GraniteMoE, Qwen-MoE / OLMoE / Jamba, DeepSeek, Ernie-MoE / DBRX's ffn_config).
+MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_routed_experts", "moe_num_experts")
+
+
+def moe_experts(config: Any) -> Optional[Tuple[str, int]]:
+    """``(field, experts)`` if the Hugging Face ``config`` (or its ``text_config`` / ``ffn_config``) is a
+    mixture-of-experts model's, else None."""
+    for part in (config, getattr(config, "text_config", None), getattr(config, "ffn_config", None)):
+        if isinstance(part, dict):
+            part = SimpleNamespace(**part)
+        for field in MOE_FIELDS:
+            value = getattr(part, field, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return field, value
+    return None
+
+
+def check_model_is_dense(args: Any) -> List[str]:
+    """One error line if the policy is a mixture-of-experts model: ``--cpu`` cannot keep its vLLM engines in sync.
+
+    vLLM's CPU MoE layers rearrange their expert weights after loading (``CPUUnquantizedExperts`` prepacks
+    ``w13_weight`` / ``w2_weight``, the router's ``GateLinear`` drops its weight) and upstream's sync sends
+    transformers' in-memory names (``mlp.experts.gate_up_proj``, 3-D), which vLLM's MoE loaders do not know: the
+    first sync would fail, or land in the wrong layout. Reads only ``config.json`` (no vLLM, no Ray)."""
+    from transformers import AutoConfig
+
+    model = args.actor.model_name_or_path
+    experts = moe_experts(AutoConfig.from_pretrained(model, trust_remote_code=True))
+    if experts is None:
+        return []
+    return [
+        f"--actor.model_name_or_path {model}: a mixture-of-experts model ({experts[0]} = {experts[1]}) cannot run "
+        "with --cpu: vLLM's CPU backend rearranges expert weights after loading, so the policy -> vLLM weight sync "
+        "cannot update them; use a dense model for --cpu runs"
+    ]
+
+
 def check_model_head_size(args: Any) -> List[str]:
     """One error line if vLLM's CPU attention refuses the model's head size (it would fail inside an engine)."""
     from transformers import AutoConfig
@@ -145,7 +184,7 @@ def launch_on_cpu(args: Any) -> None:
     from functools import partial
 
     errors, notes = cpu_settings(args)
-    errors = errors or check_model_head_size(args)
+    errors = errors or check_model_is_dense(args) or check_model_head_size(args)
     if errors:
         raise SystemExit("\n".join(f"--cpu: {error}" for error in errors))
     for note in notes:
