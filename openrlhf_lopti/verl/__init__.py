@@ -1,0 +1,31 @@
+"""AR and Lopti for verl 0.9 (extra ``[verl]``, its own environment: docs/VERL.md).
+
+Importing this package (``VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl`` makes verl import it in every process)
+does, through verl's own extension points and without editing verl:
+
+- registers the policy loss ``ar`` (:mod:`.loss`): ``actor_rollout_ref.actor.policy_loss.loss_mode=ar``;
+- makes :class:`LoptiTrainingWorker` (:mod:`.worker`) the actor's training worker
+  (``ActorRolloutRefWorker.actor_worker_cls``); with Lopti off and no AR it is verl's ``TrainingWorker`` unchanged.
+
+The keys (``ar_alpha``, ``lopti_eta``, ``lopti_order``, ``lopti_quantile``) live in
+``actor_rollout_ref.actor.policy_loss`` with ``_target_=openrlhf_lopti.verl.LoptiPolicyLossConfig`` (:mod:`.config`).
+"""
+
+MISSING_VERL = 'openrlhf_lopti.verl needs verl: pip install "openrlhf-lopti[verl]" (its own environment: see docs/VERL.md)'
+
+try:
+    import verl  # noqa: F401
+except ModuleNotFoundError as exc:
+    if exc.name != "verl":  # verl is there but one of its own imports is not: that error says which
+        raise
+    raise ImportError(MISSING_VERL) from None
+
+from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: E402
+
+from .config import ConfigError, LoptiPolicyLossConfig
+from .loss import compute_policy_loss_ar
+from .worker import LoptiTrainingWorker
+
+ActorRolloutRefWorker.actor_worker_cls = LoptiTrainingWorker
+
+__all__ = ["ConfigError", "LoptiPolicyLossConfig", "LoptiTrainingWorker", "compute_policy_loss_ar"]
