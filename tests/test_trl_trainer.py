@@ -361,7 +361,7 @@ def test_example_script_cpu_rehearsal(tmp_path):
     spec = importlib.util.spec_from_file_location("train_kk_grpo_ar_lopti", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    assert example.main(["--cpu", "--output-dir", str(tmp_path), "--max-steps", "2"]) == 0
+    assert example.main(["--cpu", "--output-dir", str(tmp_path), "--max-steps", "4"]) == 0  # one round: 2 phases x 2 steps
     assert (tmp_path / "model.safetensors").exists() and (tmp_path / "tokenizer.json").exists()
 
 
@@ -404,9 +404,9 @@ def test_same_update_as_local_trainer(tmp_path, tok):
     local = tiny_model(tok)
     local.load_state_dict(initial)
     metrics = update_policy(local, torch.optim.SGD(local.parameters(), lr=LR), experience, local_cfg)
-    assert metrics["optimizer_steps"] == 2 and metrics["phase1_tokens"] > 0 and metrics["phase2_tokens"] > 0
+    assert metrics["optimizer_steps"] == 2 and metrics["lopti/low/tokens"] > 0 and metrics["lopti/high/tokens"] > 0
     low = (batch["old_per_token_logps"].exp() < 0.5) & mask
-    assert torch.equal(batch["lopti_phase_mask"], low) and metrics["phase1_tokens"] == int(low.sum())
+    assert torch.equal(batch["lopti_phase_mask"], low) and metrics["lopti/low/tokens"] == int(low.sum())
 
     p0 = initial_params(tok, initial)
     ref32 = hand_round(tok, initial, recorded, cfg, torch.float32)

@@ -8,6 +8,7 @@ from .direction import DIRECTION_EDGES, direction_counts, direction_metrics, sum
 from .lopti import LOPTI_ORDERS, check_lopti_args
 from .lopti_round import (
     PHASE_NAMES,
+    THRESHOLD_FLOOR,
     LoptiRound,
     LoptiSettings,
     Phase,
@@ -34,6 +35,7 @@ __all__ = [
     "LoptiSettings",
     "PHASE_NAMES",
     "Phase",
+    "THRESHOLD_FLOOR",
     "PolicyLossOutput",
     "approx_kl",
     "ar_weight",

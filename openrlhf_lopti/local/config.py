@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from openrlhf_lopti.algo import KL_ESTIMATORS, check_alpha, check_lopti_args, lopti_on
+from openrlhf_lopti.algo import KL_ESTIMATORS, LoptiSettings, check_alpha, check_lopti_args, lopti_on, lopti_settings
 
 from .advantages import ESTIMATORS
 from .task import PROMPT_STYLES
@@ -191,6 +191,11 @@ class TrainConfig:
         """The learning rate every optimizer step takes: ``lr``, times ``lopti_lr_scale`` with Lopti (its two
         phases each take a step per mini-batch where GRPO takes one)."""
         return self.lr * self.lopti_lr_scale if self.lopti else self.lr
+
+    @property
+    def lopti_settings(self) -> Optional[LoptiSettings]:
+        """The round's settings (``algo.lopti_settings``), or None without Lopti."""
+        return lopti_settings(self.lopti, self.eta, self.lopti_order, self.lopti_quantile)
 
     @property
     def method(self) -> str:

@@ -33,7 +33,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from openrlhf_lopti.algo import LoptiRound, lopti_settings, plan_round
+from openrlhf_lopti.algo import LoptiRound, plan_round
 from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss
 
 from .config import TrainConfig
@@ -56,8 +56,7 @@ def build_optimizers(params: list, cfg: TrainConfig) -> list:
 def plan_lopti_round(exp: Experience, cfg: TrainConfig) -> LoptiRound:
     """The batch's round (``algo.plan_round`` on one process): Lopti's two phases in order, or the whole response
     mask as one phase "all"; its metrics are ``ar/mean_weight``, ``lopti/threshold``, ``lopti/low_token_frac``..."""
-    lopti = lopti_settings(cfg.lopti, cfg.eta, cfg.lopti_order, cfg.lopti_quantile)
-    return plan_round(exp.old_log_probs, exp.rollout.action_mask, lopti, cfg.alpha)
+    return plan_round(exp.old_log_probs, exp.rollout.action_mask, cfg.lopti_settings, cfg.alpha)
 
 
 def phase_part(rollout: Rollout, rows: torch.Tensor, phase: torch.Tensor) -> Optional[tuple]:

@@ -10,7 +10,7 @@ from typing import Optional
 
 from trl import GRPOConfig
 
-from openrlhf_lopti.algo import check_alpha, check_lopti_args
+from openrlhf_lopti.algo import LoptiSettings, check_alpha, check_lopti_args, lopti_on, lopti_settings
 from openrlhf_lopti.ops import BACKENDS
 
 # TRL loss types whose per-token term is the PPO clipped surrogate ``fused_policy_loss`` computes; they differ
@@ -20,20 +20,21 @@ CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 @dataclass
 class LoptiGRPOConfig(GRPOConfig):
-    """TRL's ``GRPOConfig`` with six more fields (see ``openrlhf_lopti.trl.trainer`` for what each changes).
+    """TRL's ``GRPOConfig`` with eight more fields (see ``openrlhf_lopti.trl.trainer`` for what each changes).
 
     Args:
         ar_alpha: Advantage Reweighting strength in [0, 1] (paper Eq. 4; 0 = off, the paper's K&K value 0.3).
         lopti_eta: Lopti's probability threshold in (0, 1] (paper: 0.5), or None for no Lopti.
         lopti_order: ``"low_first"`` (Lopti) or ``"high_first"`` (the paper's ablation, which collapses).
         lopti_quantile: if set, in (0, 1): the threshold is this quantile of the generation batch's token
-            probabilities (per process), instead of ``lopti_eta``; it turns Lopti on by itself.
+            probabilities over every process, instead of ``lopti_eta``; it turns Lopti on by itself.
         fused_loss: compute the per-token loss with ``openrlhf_lopti.ops.fused_policy_loss`` (needed by AR and
             Lopti). False with AR and Lopti off runs TRL's own loss, untouched.
         fused_lm_head: with ``fused_loss``: ``fused_linear_policy_loss`` on the last hidden states and the
             output layer, so the ``[N, V]`` logits are never made (one process only).
         loss_backend: the kernels' backend, one of ``openrlhf_lopti.ops.BACKENDS`` (``"auto"``: triton on CUDA,
             the C++ kernel on CPU when built, else torch).
+        track_direction: log ``direction/*`` (paper Fig. 3) after each round (one forward-only pass over it).
     """
 
     ar_alpha: float = field(default=0.0, metadata={"help": "Advantage Reweighting alpha in [0, 1]; 0 is off."})
@@ -47,11 +48,19 @@ class LoptiGRPOConfig(GRPOConfig):
     fused_loss: bool = field(default=True, metadata={"help": "Per-token loss through fused_policy_loss."})
     fused_lm_head: bool = field(default=False, metadata={"help": "Loss through fused_linear_policy_loss."})
     loss_backend: str = field(default="auto", metadata={"help": "Kernel backend: auto, triton, cpp or torch."})
+    track_direction: bool = field(
+        default=False, metadata={"help": "Log direction/* (paper Fig. 3) after each round: one forward pass."}
+    )
 
     @property
     def lopti(self) -> bool:
-        """Whether Lopti's two phases run (``lopti_eta`` or ``lopti_quantile`` set)."""
-        return self.lopti_eta is not None or self.lopti_quantile is not None
+        """Whether Lopti's two phases run (``algo.lopti_on``: ``lopti_eta`` set, or ``lopti_quantile`` alone)."""
+        return lopti_on(self.lopti_eta is not None, self.lopti_quantile)
+
+    @property
+    def lopti_settings(self) -> Optional[LoptiSettings]:
+        """The round's settings (``algo.lopti_settings``), or None without Lopti."""
+        return lopti_settings(self.lopti, self.lopti_eta, self.lopti_order, self.lopti_quantile)
 
     def __post_init__(self):
         super().__post_init__()
@@ -124,4 +133,12 @@ def refusals(args: LoptiGRPOConfig, num_processes: int = 1, peft: bool = False, 
             f" to be a multiple of gradient_accumulation_steps ({args.gradient_accumulation_steps}), so that each "
             "phase ends on an optimizer step"
         )
+    elif args.lopti and args.max_steps > 0:
+        per_round = 2 * args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
+        if args.max_steps % per_round:
+            out.append(
+                f"max_steps={args.max_steps} would stop between the two Lopti phases of a round: a round is {per_round} "
+                f"optimizer steps (2 phases x steps_per_generation x num_iterations / gradient_accumulation_steps); "
+                f"use a multiple of {per_round}"
+            )
     return out

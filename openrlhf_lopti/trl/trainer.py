@@ -14,35 +14,48 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   importance-sampling correction only). They are the PPO anchor, AR's ``p`` and Lopti's threshold variable.
 - ``ar_alpha``: the ``alpha`` of ``fused_policy_loss``: each token's advantage times
   ``alpha * exp(old_per_token_logps) + 1 - alpha`` (``algo.ar_weight``). Logged as ``ar/mean_weight``.
-- ``lopti_eta`` / ``lopti_order`` / ``lopti_quantile``: ``algo.lopti_phases`` on ``old_per_token_logps`` and the
-  loss mask of the whole generation batch, once per generation (``lopti/low_token_frac``, ``lopti/threshold``).
-  The generation batch is then trained twice (``_prepare_inputs``, ``_get_train_sampler``): first on the low
-  tokens, each phase a full pass of TRL's ``steps_per_generation x num_iterations`` micro-steps with its
-  gradient accumulation and optimizer steps; then on the high tokens, whose forward runs on the weights the
-  low phase left. In a phase the other tokens are out of the loss (no surrogate, KL or entropy term), while
-  every normalisation of TRL's ``loss_type`` keeps counting all response tokens (``mask.sum(-1)`` for grpo,
+- ``lopti_eta`` / ``lopti_order`` / ``lopti_quantile``: ``algo.plan_round`` on ``old_per_token_logps`` and the
+  loss mask of the whole generation batch, once per generation: the threshold (a quantile is taken over the
+  generation batches of every process), each token's phase and the round's metrics (``lopti/threshold``,
+  ``lopti/low_token_frac``, ``lopti/<phase>/tokens``, summed over processes). A quantile alone turns Lopti on.
+  The generation batch is then trained twice (``_prepare_inputs``; ``get_train_dataloader`` delivers each
+  generation batch twice as often, for map-style and streaming datasets alike): first on the low tokens, each
+  phase a full pass of TRL's ``steps_per_generation x num_iterations`` micro-steps with its gradient
+  accumulation and optimizer steps; then on the high tokens, whose forward runs on the weights the low phase
+  left. In a phase the other tokens are out of the loss (no surrogate, KL or entropy term), while every
+  normalisation of TRL's ``loss_type`` keeps counting all response tokens (``mask.sum(-1)`` for grpo,
   ``mask.sum()`` for bnpo, ``num_items_in_batch`` for dapo, the constant of dr_grpo), as our other trainers
   do: the two phases together weigh each token as one plain pass does. Per phase:
-  ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``. One optimizer step count of the
-  Trainer covers half as many generations as without Lopti (``max_steps`` counts optimizer steps). Resuming
-  from a checkpoint generates a new batch, as TRL does (its buffered batch is not saved), and starts with its
-  low phase: a checkpoint taken between the two phases of a batch loses that batch's high phase.
+  ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``.
+- Steps. The LR schedule moves once per round, as OpenRLHF's does: phase 2 restores the schedule phase 1 started
+  from (``_prepare_inputs``), so both phases train at the same learning rates, and ``create_scheduler`` spans half
+  the optimizer steps. TRL's own step counters (``max_steps``, ``save_steps``, ``eval_steps``, ``logging_steps``,
+  ``ref_model_sync_steps``) count optimizer steps, two phases' worth per round; ``max_steps`` must be a whole
+  number of rounds (refused otherwise), so no round is cut between its phases. Resuming from a checkpoint
+  generates a new batch, as TRL does (its buffered batch is not saved), and starts with its low phase.
+- ``track_direction``: after each round's last optimizer step, ``direction/*`` (paper Fig. 3, ``algo.direction``)
+  from one forward-only pass over the round's generation batch, summed over processes.
 - ``fused_loss`` (default True): ``_compute_loss`` takes the model's logits of the completion (in the model's
   dtype, no fp32 ``[N, V]`` copy) and runs ``fused_policy_loss`` on the trained tokens only; ``fused_lm_head``
   runs ``fused_linear_policy_loss`` on the backbone's last hidden states and the output layer instead, so no
   logits exist. KL is TRL's k3 (clamped to [-10, 10] like OpenRLHF's, as our kernels do); the log ratio is
   clamped to +-20 before ``exp``. TRL's metrics keep their names (``entropy``, ``kl``, ``clip_ratio/*_mean``).
 
+``top_entropy_quantile`` (AR on, Lopti off) masks the surrogate only; the KL penalty stays on every token, as in
+TRL's loss.
+
 Refused at construction with one line (``config.refusals``): loss types that are not the clipped surrogate
 (cispo, sapo, vespo), sequence-level importance sampling, ``delta``, ``off_policy_mask_threshold``,
-``use_adaptive_entropy``, an entropy mask together with Lopti, multimodal models, and ``fused_lm_head`` on
+``use_adaptive_entropy``, an entropy mask together with Lopti, a ``max_steps`` that cuts a round, multimodal models, and ``fused_lm_head`` on
 more than one process / with PEFT / with ``cast_lm_head_to_fp32``. With ``fused_loss=False`` and AR and Lopti
 off, this is TRL's trainer unchanged.
 """
 
+import copy
 from typing import Any, Optional
 
 import torch
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import (
@@ -52,14 +65,12 @@ from trl.trainer.utils import (
     unsplit_pixel_values_by_grid,
 )
 
-from openrlhf_lopti.algo import approx_kl, ar_weight, lopti_phases
-from openrlhf_lopti.algo.lopti import quantile_threshold
+from openrlhf_lopti.algo import PHASE_NAMES, approx_kl, direction_metrics, plan_round, sum_direction_counts
 from openrlhf_lopti.models import lm_head_parts
 from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss
 
 from .config import LoptiGRPOConfig, refusals
 
-PHASE_NAMES = {"low_first": ("low", "high"), "high_first": ("high", "low")}
 PHASE_KEYS = ("lopti_phase_1", "lopti_phase_2")  # [B, T] bool masks in update order, in the generation batch
 
 
@@ -92,15 +103,27 @@ class LoptiGRPOTrainer(GRPOTrainer):
             raise ValueError(problems[0])
         if args.fused_loss and args.fused_lm_head:
             lm_head_parts(self.accelerator.unwrap_model(self.model), flag="fused_lm_head=True")  # raises now for a head it cannot fuse
+        self._round_schedule: Optional[dict] = None  # the LR schedule as the running round's phase 1 found it
+        if args.track_direction:
+            self.add_callback(_DirectionAtRoundEnd(self))
 
     # ---- Lopti: each generation batch trained twice, low tokens first ----
 
-    def _get_train_sampler(self, dataset=None):
-        """TRL's ``RepeatSampler``, each generation batch repeated twice as often with Lopti (one pass per phase)."""
-        sampler = super()._get_train_sampler(dataset)
-        if self.args.lopti:
-            sampler.repeat_count *= 2
-        return sampler
+    def get_train_dataloader(self):
+        """TRL's loader, each generation batch delivered twice as often with Lopti (one pass per phase).
+
+        TRL repeats a generation batch ``num_iterations x steps_per_generation`` times, through its ``RepeatSampler``
+        for a map-style dataset and through ``repeat_iterable_dataset`` for a streaming one; both read
+        ``num_iterations`` when the loader is built, so doubling it for that call doubles both (doubling the
+        sampler alone left streaming datasets training on every second generation batch only).
+        """
+        if not self.args.lopti:
+            return super().get_train_dataloader()
+        self.num_iterations *= 2
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.num_iterations //= 2
 
     def _phase_cycle(self) -> int:
         """Micro-steps of one phase: TRL's ``steps_per_generation x num_iterations``."""
@@ -117,6 +140,10 @@ class LoptiGRPOTrainer(GRPOTrainer):
             batch = self._generate_and_score_completions(generation_batch)
             batch = shuffle_sequence_dict(split_pixel_values_by_grid(batch))
             self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in split_tensor_dict(batch, spg)]
+            self._round_schedule = self._lr_schedule_state()
+        elif self._step % (2 * cycle) == cycle and self._round_schedule is not None:
+            # phase 2 trains at the learning rates phase 1 had: the schedule moves once per round, as OpenRLHF's
+            self._restore_lr_schedule(self._round_schedule)
         inputs = dict(self._buffered_inputs[self._step % spg])
         phase = (self._step % (2 * cycle)) // cycle
         inputs["lopti_phase"] = phase
@@ -142,22 +169,72 @@ class LoptiGRPOTrainer(GRPOTrainer):
                     self.model, ids, attention, output["completion_ids"].size(1), batch_size=batch_size
                 )
             output["old_per_token_logps"] = old
-        old = output["old_per_token_logps"]
-        tokens = mask.sum().clamp(min=1)
-        if self.args.ar_alpha != 0:
-            weight = ar_weight(old, self.args.ar_alpha)
-            self._metrics[mode]["ar/mean_weight"].append(float((weight * mask).sum() / tokens))
-        if self.args.lopti and mode == "train":
-            eta = 0.5 if self.args.lopti_eta is None else self.args.lopti_eta
-            phases = lopti_phases(old, mask, eta, self.args.lopti_order, self.args.lopti_quantile)
-            output[PHASE_KEYS[0]], output[PHASE_KEYS[1]] = phases
-            low = phases[0] if self.args.lopti_order == "low_first" else phases[1]
-            threshold = eta
-            if self.args.lopti_quantile is not None and bool(mask.any()):
-                threshold = quantile_threshold(old.detach().float().exp()[mask], self.args.lopti_quantile)
-            self._metrics[mode]["lopti/low_token_frac"].append(float(low.sum() / tokens))
-            self._metrics[mode]["lopti/threshold"].append(float(threshold))
+        lopti = self.args.lopti_settings if mode == "train" else None
+        if lopti is None and self.args.ar_alpha == 0:
+            return output
+        # algo.plan_round over the generation batch of every process: the threshold (a quantile over all of them),
+        # each token's phase, and the round's metrics, summed over processes
+        lopti_round = plan_round(
+            output["old_per_token_logps"], mask, lopti, self.args.ar_alpha,
+            gather=self._gather_over_processes, all_reduce=self._sum_over_processes,
+        )  # fmt: skip
+        for key, value in lopti_round.metrics.items():
+            self._metrics[mode][key].append(value)
+        if lopti is not None:
+            output[PHASE_KEYS[0]], output[PHASE_KEYS[1]] = (phase.mask for phase in lopti_round.phases)
         return output
+
+    def _gather_over_processes(self, values: torch.Tensor) -> torch.Tensor:
+        """``[n]`` -> every process's values, concatenated (the quantile's scope: the whole generation batch)."""
+        if self.accelerator.num_processes == 1:
+            return values
+        from accelerate.utils import gather_object
+
+        return torch.cat([part.cpu() for part in gather_object([values.cpu()])])
+
+    def _sum_over_processes(self, sums: dict) -> dict:
+        """Each value summed over the processes (the round's metric sums)."""
+        keys = sorted(sums)
+        totals = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=self.accelerator.device)
+        return dict(zip(keys, self.accelerator.reduce(totals, reduction="sum").tolist()))
+
+    def _lr_schedule_state(self) -> Optional[dict]:
+        """The LR scheduler's state and the optimizer's current learning rates (what the next step uses)."""
+        if getattr(self, "lr_scheduler", None) is None:
+            return None
+        return {
+            "scheduler": copy.deepcopy(self.lr_scheduler.state_dict()),
+            "lrs": [group["lr"] for group in self.optimizer.param_groups],
+        }
+
+    def _restore_lr_schedule(self, state: dict) -> None:
+        self.lr_scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, state["lrs"]):
+            group["lr"] = lr
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """TRL's scheduler; with Lopti over the run's rounds: it moves on phase 1's optimizer steps only (phase 2
+        replays phase 1's learning rates), so it spans half the optimizer steps."""
+        if self.args.lopti:
+            num_training_steps = max(num_training_steps // 2, 1)
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    @torch.no_grad()
+    def _direction_metrics(self) -> dict:
+        """``direction/*`` of the round just trained: each token's log-prob now against its rollout one, binned by
+        its rollout probability and split by the advantage's sign (``algo.direction``), over every process."""
+        batches = []
+        for inputs in self._buffered_inputs:
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+            attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            t = inputs["completion_ids"].size(1)
+            new, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, attention, t, batch_size=len(ids))
+            mask = self._loss_mask(inputs).bool()
+            advantages = inputs["advantages"]
+            advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).expand_as(mask)
+            batches.append((inputs["old_per_token_logps"], new, advantages, mask))
+        counts = sum_direction_counts(batches, device=self.accelerator.device)  # [5, 4] float64
+        return direction_metrics(self.accelerator.reduce(counts, reduction="sum"))
 
     # ---- the loss ----
 
@@ -200,7 +277,8 @@ class LoptiGRPOTrainer(GRPOTrainer):
         is_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_ratio = inputs["importance_sampling_ratio"].expand(b, t)[rows]
-        separate_kl = is_ratio is not None or self.args.use_bias_correction_kl  # the KL term not folded in the kernel
+        # the KL term is added after TRL's masks and IS ratio, which apply to the surrogate only: not folded in the kernel
+        separate_kl = is_ratio is not None or self.args.use_bias_correction_kl or self.top_entropy_quantile < 1.0
         ref = inputs["ref_per_token_logps"][rows] if self.beta != 0.0 else None
         options = dict(
             ref_log_probs=None if separate_kl else ref,
@@ -222,7 +300,13 @@ class LoptiGRPOTrainer(GRPOTrainer):
         else:
             out = fused_policy_loss(source, *per_token, **options)
 
+        # TRL's order: the surrogate times the entropy mask, times the IS ratio, then + beta * KL over every token
         loss_rows = out.loss  # [N]: clipped surrogate (AR-weighted), + beta * KL when folded in
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:  # refused with Lopti: here rows == keep
+            entropy_full = out.entropy.detach().new_zeros(b, t).masked_scatter(rows, out.entropy.detach())
+            entropy_mask = self.get_high_entropy_mask(entropy_full, mask, 1 - self.top_entropy_quantile)[rows]
+            loss_rows = loss_rows * entropy_mask
         if is_ratio is not None:
             loss_rows = loss_rows * is_ratio
         kl_rows = None
@@ -234,11 +318,6 @@ class LoptiGRPOTrainer(GRPOTrainer):
                 loss_rows = loss_rows + self.beta * kl_rows
             else:
                 kl_rows = out.kl
-        entropy_mask = None
-        if self.top_entropy_quantile < 1.0:  # refused with Lopti: here rows == keep
-            entropy_full = out.entropy.detach().new_zeros(b, t).masked_scatter(rows, out.entropy.detach())
-            entropy_mask = self.get_high_entropy_mask(entropy_full, mask, 1 - self.top_entropy_quantile)[rows]
-            loss_rows = loss_rows * entropy_mask
         per_token_loss = loss_rows.new_zeros(b, t).masked_scatter(rows, loss_rows)  # 0 outside the phase
 
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
@@ -290,6 +369,21 @@ class LoptiGRPOTrainer(GRPOTrainer):
             name = PHASE_NAMES[self.args.lopti_order][inputs["lopti_phase"]]
             self._metrics[mode][f"lopti/{name}/policy_loss"].append(self.accelerator.gather(policy_loss).mean().item())
             self._metrics[mode][f"lopti/{name}/clip_ratio"].append(global_mean(out.clipped.float()))
+
+
+class _DirectionAtRoundEnd(TrainerCallback):
+    """``direction/*`` (paper Fig. 3, ``track_direction``) after each round's last optimizer step: the round's
+    generation batch re-scored by the updated model, one forward-only pass, summed over processes."""
+
+    def __init__(self, trainer: "LoptiGRPOTrainer"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        per_round = trainer._phase_cycle() * (2 if trainer.args.lopti else 1)
+        if trainer._step % per_round == 0 and trainer._buffered_inputs is not None:
+            for key, value in trainer._direction_metrics().items():
+                trainer._metrics["train"][key].append(value)
 
 
 def kk_reward(prompts: list, completions: list, label: list, **kwargs: Any) -> list:

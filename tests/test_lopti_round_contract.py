@@ -1,0 +1,198 @@
+"""The cross-front-end contract of the Lopti round (issue 32): one batch, every front end, the same decisions.
+
+One batch of rollout log-probs holds ties at the threshold (p = 0.5 exactly), probabilities that underflow to 0,
+padding, and (for one setting) an empty phase. For each setting:
+
+1. each front end's configuration (local ``TrainConfig``, OpenRLHF's CLI flags, TRL's ``LoptiGRPOConfig``) maps to
+   the same ``algo.LoptiSettings`` (or to no Lopti);
+2. the round as the local trainer plans it (``local.update.plan_lopti_round``) is ``algo.plan_round``'s;
+3. two gloo ranks, each holding half the batch, plan the round through OpenRLHF's trainer's data-parallel gather
+   (``LoptiActorPPOTrainer._gather_over_dp`` over a real ``DeviceMesh``, upstream's ``DeepspeedStrategy.all_reduce``)
+   and through TRL's trainer's (``LoptiGRPOTrainer._gather_over_processes`` / ``_sum_over_processes`` on a real
+   ``accelerate.Accelerator``), and decide the threshold, each token's phase and the metrics of one process
+   planning the whole batch.
+
+What 3 cannot show: the trainers around those methods (they are bound to a namespace holding only what they
+read). The whole trainers are run elsewhere: OpenRLHF's with 2 DeepSpeed ranks and a quantile
+(test_openrlhf_deepspeed.py), TRL's on one process (test_trl_round.py, test_trl_trainer.py), the local update
+(test_local_update.py).
+"""
+
+import functools
+import json
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from openrlhf_lopti.algo import THRESHOLD_FLOOR, LoptiSettings, plan_round
+
+from .ds_ranks import free_port
+
+PAD = float("nan")  # padding: never read (masked out)
+# rollout probabilities, [4, 6]: ties at 0.5, zeros that are exp() underflows, padding
+PROBS = [
+    [0.5, 0.2, 0.9, 0.5, PAD, PAD],
+    [0.0, 0.7, 0.3, 0.05, 0.95, PAD],
+    [0.6, 0.5, 0.0, 0.8, PAD, PAD],
+    [0.1, 0.99, 0.4, 0.0, PAD, PAD],
+]
+
+
+def contract_batch():
+    """``(old_log_probs [4, 6], response_mask [4, 6])``: p = 0 is written as log-probs that underflow in ``exp``."""
+    probs = torch.tensor(PROBS, dtype=torch.float64)
+    mask = ~torch.isnan(probs)
+    old = torch.where(probs > 0, probs.clamp(min=1e-300).log(), torch.full_like(probs, -1e4)).float()
+    old = torch.where(mask, old, torch.zeros_like(old))
+    old[2, 2] = -200.0  # exp(-200) is 0 in fp32, not in fp64: the round's probabilities are fp32
+    return old, mask
+
+
+# (name, local TrainConfig fields, OpenRLHF flags, TRL LoptiGRPOConfig fields, the settings they all mean)
+SETTINGS = [
+    ("eta", dict(lopti=True, eta=0.5), ["--algo.lopti.eta", "0.5"], dict(lopti_eta=0.5), LoptiSettings(0.5)),
+    ("quantile alone", dict(lopti_quantile=0.3), ["--algo.lopti.quantile", "0.3"], dict(lopti_quantile=0.3),
+     LoptiSettings(0.5, "low_first", 0.3)),
+    ("underflowing quantile", dict(lopti_quantile=0.1), ["--algo.lopti.quantile", "0.1"], dict(lopti_quantile=0.1),
+     LoptiSettings(0.5, "low_first", 0.1)),
+    ("empty phase", dict(lopti=True, eta=1.0, lopti_order="high_first"),
+     ["--algo.lopti.eta", "1.0", "--algo.lopti.order", "high_first"], dict(lopti_eta=1.0, lopti_order="high_first"),
+     LoptiSettings(1.0, "high_first")),
+    ("off", dict(), [], dict(), None),
+]  # fmt: skip
+
+
+def test_the_batch_holds_what_the_contract_is_about():
+    old, mask = contract_batch()
+    probs = old.exp()
+    tie = plan_round(old, mask, LoptiSettings(0.5))
+    assert not tie.low[0, 0] and not tie.low[2, 1]  # p == threshold: high
+    zeros = int((probs[mask] == 0).sum())
+    assert zeros == 3 and zeros / int(mask.sum()) > 0.1  # the 0.1 quantile is 0: floored
+    under = plan_round(old, mask, LoptiSettings(0.5, quantile=0.1))
+    assert under.threshold == THRESHOLD_FLOOR and torch.equal(under.low, mask & (probs == 0))
+    empty = plan_round(old, mask, LoptiSettings(1.0, "high_first"))
+    assert [p.name for p in empty.phases] == ["high", "low"] and empty.phases[0].tokens == 0
+
+
+@pytest.mark.parametrize("name, local, openrlhf, trl, expected", SETTINGS, ids=[s[0] for s in SETTINGS])
+def test_every_front_end_maps_its_options_to_the_same_settings(name, local, openrlhf, trl, expected, tmp_path):
+    from openrlhf_lopti.local.config import TrainConfig
+
+    local_cfg = TrainConfig(model="m", out="o", **local)
+    assert local_cfg.lopti_settings == expected
+    pytest.importorskip("openrlhf")
+    from openrlhf_lopti.cli.train_ppo_ray import parse_args
+    from openrlhf_lopti.openrlhf.flags import lopti_config
+
+    base = ["--actor.model_name_or_path", "m", "--reward.remote_url", "reward.py"]
+    assert lopti_config(parse_args(base + openrlhf)).lopti == expected
+    pytest.importorskip("trl")
+    from openrlhf_lopti.trl import LoptiGRPOConfig
+
+    trl_cfg = LoptiGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, **trl)
+    assert trl_cfg.lopti_settings == expected
+
+
+@pytest.mark.parametrize("name, local, openrlhf, trl, expected", SETTINGS, ids=[s[0] for s in SETTINGS])
+def test_the_local_trainer_plans_algos_round(name, local, openrlhf, trl, expected):
+    from openrlhf_lopti.local.config import TrainConfig
+    from openrlhf_lopti.local.update import plan_lopti_round
+
+    old, mask = contract_batch()
+    cfg = TrainConfig(model="m", out="o", alpha=0.3, **local)
+    exp = SimpleNamespace(old_log_probs=old, rollout=SimpleNamespace(action_mask=mask))
+    ours, reference = plan_lopti_round(exp, cfg), plan_round(old, mask, expected, 0.3)
+    assert_same_round(summary(ours), summary(reference))
+
+
+def summary(lopti_round) -> dict:
+    return {
+        "threshold": lopti_round.threshold,
+        "phases": [[p.name, p.mask.tolist(), p.tokens] for p in lopti_round.phases],
+        "metrics": lopti_round.metrics,
+    }
+
+
+def assert_same_round(got: dict, want: dict) -> None:
+    assert got["threshold"] == want["threshold"]  # the same fp32 values sorted: bit-equal
+    assert got["phases"] == want["phases"]
+    assert got["metrics"].keys() == want["metrics"].keys()
+    # OpenRLHF's all_reduce sums in fp32: a sum of n <= 17 weights in [0, 1] may differ by n fp32 roundings of
+    # itself (17 * 2^-24 < 1.1e-6); counts (< 2^24) and the threshold (not reduced) are exact
+    for key, value in want["metrics"].items():
+        assert math.isclose(got["metrics"][key], value, rel_tol=17 * 2.0**-24, abs_tol=0.0), key
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    """One of two gloo ranks: rows [2 rank, 2 rank + 2) of the batch through both front ends' collectives."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    result = {}
+    try:
+        from accelerate import Accelerator
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from openrlhf_lopti.openrlhf.cpu.stubs import install_cpu_stubs
+
+        install_cpu_stubs()
+        from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+        from openrlhf_lopti.openrlhf.cpu.strategy import answer_cuda_calls_on_cpu
+        from openrlhf_lopti.openrlhf.trainer import LoptiActorPPOTrainer
+        from openrlhf_lopti.trl.trainer import LoptiGRPOTrainer
+
+        answer_cuda_calls_on_cpu()
+        accelerator = Accelerator(cpu=True)  # initialises the gloo group from the environment
+        strategy = SimpleNamespace(world_size=world, ds_device_mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+        strategy.all_reduce = functools.partial(DeepspeedStrategy.all_reduce, strategy)
+        openrlhf = SimpleNamespace(strategy=strategy)
+        trl = SimpleNamespace(accelerator=accelerator)
+        drivers = {
+            "openrlhf": dict(gather=functools.partial(LoptiActorPPOTrainer._gather_over_dp, openrlhf),
+                             all_reduce=lambda sums: strategy.all_reduce(sums, op="sum")),
+            "trl": dict(gather=functools.partial(LoptiGRPOTrainer._gather_over_processes, trl),
+                        all_reduce=functools.partial(LoptiGRPOTrainer._sum_over_processes, trl)),
+        }  # fmt: skip
+        old, mask = contract_batch()
+        rows = slice(2 * rank, 2 * rank + 2)
+        for name, _, _, _, settings in SETTINGS:
+            for front_end, collectives in drivers.items():
+                lopti_round = plan_round(old[rows], mask[rows], settings, 0.3, **collectives)
+                result[f"{name}/{front_end}"] = summary(lopti_round)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_two_ranks_decide_what_one_process_decides_for_the_whole_batch(tmp_path):
+    pytest.importorskip("openrlhf")
+    pytest.importorskip("trl")
+    world = 2
+    context = mp.get_context("spawn")
+    port = free_port()
+    procs = [context.Process(target=_rank, args=(r, world, port, str(tmp_path))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        if p.is_alive():
+            p.kill()
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for r, result in enumerate(results):
+        assert "error" not in result, f"rank {r}: {result.get('error')}"
+    old, mask = contract_batch()
+    for name, _, _, _, settings in SETTINGS:
+        whole = summary(plan_round(old, mask, settings, 0.3))
+        for front_end in ("openrlhf", "trl"):
+            parts = [result[f"{name}/{front_end}"] for result in results]
+            for r, part in enumerate(parts):
+                assert part["threshold"] == whole["threshold"], (name, front_end, r)
+                want_phases = [[n, m[2 * r : 2 * r + 2], t] for n, m, t in whole["phases"]]
+                assert part["phases"] == want_phases, (name, front_end, r)
+                assert_same_round(part, {**whole, "phases": want_phases})

@@ -1,0 +1,108 @@
+"""TRL's front end drives the one Lopti round with the semantics of the others (issue 32), on TRL 1.16's real trainer.
+
+- a streaming (iterable) dataset trains every generation batch in both phases, as a map-style one does;
+- the KL penalty with ``top_entropy_quantile`` is TRL's (the entropy mask is on the surrogate only);
+- ``max_steps`` that would stop between the two phases of a round is refused;
+- both phases of a round train at one learning rate: the LR schedule moves once per round;
+- ``track_direction`` logs ``direction/*`` over the round's tokens.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from datasets import Dataset, IterableDataset  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+
+from openrlhf_lopti.trl import LoptiGRPOConfig, LoptiGRPOTrainer  # noqa: E402
+
+from .test_trl_trainer import distinct_words, kk_dataset, recording, settings, tiny_model, tok, train  # noqa: E402, F401 (tok: a fixture)
+
+
+def prompts_trained(recorded: list) -> list:
+    """The prompt (as token ids) of each recorded micro-batch, in order."""
+    return [tuple(r["prompt_ids"][0][r["prompt_mask"][0].bool()].tolist()) for r in recorded]
+
+
+def test_a_streaming_dataset_trains_every_generation_batch_in_both_phases(tmp_path, tok):
+    """One prompt per generation: 3 rounds train prompts 0, 1, 2, each twice (low, high), like a map-style dataset.
+    (Before: the sampler alone was doubled, so a streaming dataset trained prompts 0, 2, 4.)"""
+    rows = kk_dataset(8).to_list()
+    runs = {}
+    for kind in ("map", "stream"):
+        data = Dataset.from_list(rows) if kind == "map" else IterableDataset.from_generator(lambda: iter(rows))
+        cfg = LoptiGRPOConfig(**settings(tmp_path / kind, max_steps=6, gradient_accumulation_steps=1,
+                                         steps_per_generation=1, lopti_eta=0.5, shuffle_dataset=False))  # fmt: skip
+        _, _, recorded = train(LoptiGRPOTrainer, cfg, tok, dataset=data)
+        assert [r["lopti_phase"] for r in recorded] == [0, 1] * 3, kind
+        runs[kind] = prompts_trained(recorded)
+    order = list(dict.fromkeys(runs["map"]))
+    assert len(order) == 3 and runs["map"] == [p for p in order for _ in range(2)]
+    assert runs["stream"] == runs["map"]
+
+
+def test_kl_with_top_entropy_quantile_is_trls(tmp_path, tok):
+    """Zero advantages (one constant reward): the loss is beta * KL over every token, TRL's; the entropy mask
+    (top 20%) must not mask the KL term. (Before: the KL was folded into the masked loss, 10x too small.)"""
+    cfg = LoptiGRPOConfig(**settings(tmp_path, beta=0.1, top_entropy_quantile=0.2, gradient_accumulation_steps=1,
+                                     steps_per_generation=1))  # fmt: skip
+    start = tmp_path / "tiny"  # a path: TRL loads the reference model (beta != 0) from it
+    tiny_model(tok).save_pretrained(start)
+    tok.save_pretrained(start)
+
+    def constant(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    trainer = recording(LoptiGRPOTrainer)(model=str(start), reward_funcs=[constant], args=cfg,
+                                          train_dataset=kk_dataset(), processing_class=tok)  # fmt: skip
+    with torch.no_grad():  # a reference that differs from the policy: a KL worth penalising
+        torch.manual_seed(0)
+        for p in trainer.ref_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    trainer.recorded = []
+    trainer.train()
+    inputs = trainer.recorded[0]
+    assert float(inputs["advantages"].abs().max()) == 0.0
+    with torch.no_grad():
+        ours = trainer._compute_loss(trainer.model, dict(inputs))
+        trls = GRPOTrainer._compute_loss(trainer, trainer.model, dict(inputs))
+    assert float(trls) > 0
+    assert float(ours) == pytest.approx(float(trls), rel=1e-4)
+
+
+def test_max_steps_that_cut_a_round_is_refused(tmp_path):
+    with pytest.raises(ValueError) as info:  # a round: 2 phases x 2 micro-steps / 2 per optimizer step = 2 steps
+        LoptiGRPOConfig(**settings(tmp_path, lopti_eta=0.5, max_steps=3))
+    assert "max_steps=3" in str(info.value) and "multiple of 2" in str(info.value) and "\n" not in str(info.value)
+    LoptiGRPOConfig(**settings(tmp_path, lopti_eta=0.5, max_steps=4))  # whole rounds: accepted
+    LoptiGRPOConfig(**settings(tmp_path, max_steps=3))  # no Lopti: no rounds to cut
+
+
+class LearningRates(LoptiGRPOTrainer):
+    def _compute_loss(self, model, inputs):
+        self.lrs.append(self.optimizer.param_groups[0]["lr"])
+        return super()._compute_loss(model, inputs)
+
+
+def test_both_phases_of_a_round_train_at_one_learning_rate(tmp_path, tok):
+    """Linear decay over 2 rounds of 2 phases (one optimizer step each): lr, lr | lr/2, lr/2. (Before: the schedule
+    moved per phase, lr, 3/4 lr, lr/2, lr/4, and phase 2 trained at a later learning rate than phase 1.)"""
+    cfg = LoptiGRPOConfig(**settings(tmp_path, max_steps=4, gradient_accumulation_steps=1, steps_per_generation=1,
+                                     lopti_eta=0.5, lr_scheduler_type="linear"))  # fmt: skip
+    trainer = LearningRates(model=tiny_model(tok), reward_funcs=[distinct_words], args=cfg,
+                            train_dataset=kk_dataset(8), processing_class=tok)  # fmt: skip
+    trainer.lrs = []
+    trainer.train()
+    lr = cfg.learning_rate
+    assert trainer.lrs == pytest.approx([lr, lr, lr / 2, lr / 2])
+
+
+def test_track_direction_logs_the_rounds_fig3_counts(tmp_path, tok):
+    cfg = LoptiGRPOConfig(**settings(tmp_path, max_steps=2, gradient_accumulation_steps=1, steps_per_generation=1,
+                                     lopti_eta=0.5, track_direction=True))  # fmt: skip
+    _, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok)
+    logged = {k: v for h in trainer.state.log_history for k, v in h.items() if k.startswith("direction/")}
+    tokens = sum(logged[f"direction/tokens_q{q}"] for q in (1, 2, 3, 4))
+    assert tokens == float(recorded[0]["completion_mask"].sum())  # every response token of the round, once
+    assert any(k.startswith("direction/pos_up_q") for k in logged) or logged.get("direction/pos_tokens_q1") == 0
