@@ -62,9 +62,15 @@ def compose(overrides: List[str]):
 def actor_overrides(model_dir: str, *, mini_batch: int, micro_batch: int, lr: float, optimizer: str = "SGD",
                     epochs: int = 1, kl_coef: float = 0.0, clip_grad: float = 1.0, eps_low: float = 0.2,
                     eps_high: float = 0.24, alpha: float = 0.0, eta: Optional[float] = None,
-                    order: str = "low_first", quantile: Optional[float] = None, extra: tuple = ()) -> List[str]:  # fmt: skip
+                    order: str = "low_first", quantile: Optional[float] = None, reshard_after_forward: bool = False,
+                    extra: tuple = ()) -> List[str]:  # fmt: skip
     """Overrides for a CPU actor: FSDP2, fp32, eager attention, no padding removal, no torch.compile, constant lr,
-    no weight decay, ``shuffle=False``; our loss config with AR / Lopti as given."""
+    no weight decay, ``shuffle=False``; our loss config with AR / Lopti as given.
+
+    ``reshard_after_forward=False`` (verl's default is True; the same numbers in fp32, where an all-gather copies
+    exactly): with it FSDP2 all-gathers the parameters again for the backward pass, from autograd hooks that run
+    outside ``Float64Shadow``, i.e. in the configured fp32, and the float64 run's backward would see its weights
+    rounded to fp32."""
     a = ACTOR
     out = [
         f"actor_rollout_ref.model.path={model_dir}",
@@ -75,6 +81,7 @@ def actor_overrides(model_dir: str, *, mini_batch: int, micro_batch: int, lr: fl
         f"{a}.use_torch_compile=false",
         f"{a}.fsdp_config.use_torch_compile=false",
         f"{a}.fsdp_config.model_dtype=fp32",
+        f"{a}.fsdp_config.reshard_after_forward={str(reshard_after_forward).lower()}",
         f"++{a}.fsdp_config.mixed_precision.param_dtype=fp32",
         f"++{a}.fsdp_config.mixed_precision.reduce_dtype=fp32",
         f"++{a}.fsdp_config.mixed_precision.buffer_dtype=fp32",

@@ -1,0 +1,218 @@
+"""LoptiTrainingWorker on verl's real classes against the local reference trainer's ``update_policy``.
+
+The same tiny Llama, the same batch (the local trainer's own rollout and log-probs), the same mini-batches (16
+responses, mini-batches of 8 in order, micro-batches of 4), the same optimizer and lr, gradient clipping at 1.0, the
+paper's clip range (0.2 / 0.24), a k3 KL loss against a made-up reference, temperature 0.7. verl runs its FSDP2
+engine on the CPU (world size 1); the local trainer runs ``update_policy``.
+
+Bounds (TESTING.md, "Numerical comparisons"; tests/numerics.py): both paths run again under ``Float64Shadow`` on exact
+float64 copies of the same weights and batch (verl's whole engine included: its parameters, all-gathers and
+optimizer become float64 under the shadow). Logic: the float64 updates agree to ``64 x amplification x u64`` of
+their scale (amplification: the larger fp32 error in units of u32); precision: with SGD each fp32 path's error
+against its own float64 run is at most 4x the other's plus 64 ulps. With AdamW only the logic half (a rounding-level
+difference on a near-zero gradient entry becomes a whole AdamW step). Compared: every parameter's change over the
+round (after - before: a formula change shows against the step's size, not the weights'), each phase's mean
+gradient norm; the round's metrics exactly (both come from ``algo.plan_round`` on the same tensor).
+
+What is not the same, and why it does not matter here: verl's vanilla loss always has the dual clip (at
+``clip_ratio_c``, set to 1e9: the local trainer has none); the local trainer shuffles its mini-batches with
+``torch.randperm`` (made the identity here, as verl's ``shuffle=False``); verl right-pads the sequences it forwards
+where the local trainer keeps the rollout's left padding (same positions and masks: rounding only).
+"""
+
+import copy
+import dataclasses
+from contextlib import contextmanager, nullcontext
+
+import pytest
+import torch
+
+from openrlhf_lopti.local.config import TrainConfig
+from openrlhf_lopti.local.update import build_optimizers, update_policy
+
+from ..kernel_cases import allow_float64_logits
+from ..numerics import Float64Shadow, assert_same_computation, scalars_same_computation
+from . import harness
+
+LR = 0.05
+KL = 0.05
+MINI, MICRO = 8, 4
+METHODS = {
+    "grpo": dict(alpha=0.0, eta=None),
+    "ar": dict(alpha=0.3, eta=None),
+    "lopti": dict(alpha=0.0, eta=0.5),
+    "ar+lopti": dict(alpha=0.3, eta=0.5),
+}
+
+
+@contextmanager
+def mini_batches_in_order():
+    """The local trainer's mini-batches in batch order (``torch.randperm`` -> arange), as verl's ``shuffle=False``."""
+    randperm = torch.randperm
+    torch.randperm = lambda n, generator=None, **kw: torch.arange(n)
+    try:
+        yield
+    finally:
+        torch.randperm = randperm
+
+
+def full_parameters(module) -> dict:
+    """name -> a detached copy of each parameter (DTensor shards gathered)."""
+    out = {}
+    for name, p in module.named_parameters():
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = value.detach().clone()
+    return out
+
+
+def exact_float64_buffers(module, model) -> None:
+    """The float64 run's buffers as exact copies of the fp32 model's (TESTING.md: float64 copies of the same
+    inputs). Built under the shadow, verl's model computes its rotary ``inv_freq`` in float64, where the fp32 model
+    (and its ``.double()`` copy in the local run) has it rounded to fp32: a 1e-8 difference of every position angle."""
+    buffers = dict(model.named_buffers())
+    for name, buffer in module.named_buffers():
+        if name in buffers and buffer.is_floating_point():
+            buffer.copy_(buffers[name].double())
+
+
+def run_verl(tiny, method: dict, float64: bool, optimizer: str = "SGD", epochs: int = 1, worker_cls=None):
+    """One RL step of verl's actor (our worker unless ``worker_cls``): (each parameter's change, metrics, worker)."""
+    cfg = harness.compose(harness.actor_overrides(
+        tiny["path"], mini_batch=MINI, micro_batch=MICRO, lr=LR, optimizer=optimizer, epochs=epochs, kl_coef=KL,
+        alpha=method["alpha"], eta=method["eta"], quantile=method.get("quantile"),
+    ))  # fmt: skip
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    saved = ActorRolloutRefWorker.actor_worker_cls
+    with Float64Shadow() if float64 else nullcontext():
+        try:
+            if worker_cls is not None:
+                import openrlhf_lopti.verl  # noqa: F401
+
+                ActorRolloutRefWorker.actor_worker_cls = worker_cls
+            worker = harness.actor_worker(cfg)
+        finally:
+            ActorRolloutRefWorker.actor_worker_cls = saved
+        module = worker.actor.engine.module
+        if float64:
+            exact_float64_buffers(module, tiny["model"])
+        before = full_parameters(module)
+        batch = harness.verl_batch(tiny["exp"], temperature=tiny["temperature"], mini_batch=MINI, epochs=epochs)
+        if float64:
+            for key in ("old_log_probs", "advantages", "ref_log_prob"):
+                batch[key] = batch[key].double()
+        metrics = tu.get(worker.update_actor(batch), "metrics")
+        after = full_parameters(module)
+    return {name: after[name] - before[name] for name in before}, metrics, worker
+
+
+def run_local(tiny, method: dict, float64: bool, optimizer: str = "sgd", epochs: int = 1, monkeypatch=None):
+    """The same step by the local reference trainer: (each parameter's change, metrics)."""
+    policy, exp = copy.deepcopy(tiny["model"]), tiny["exp"]
+    if float64:
+        allow_float64_logits(monkeypatch)
+        policy = policy.double()
+        exp = dataclasses.replace(exp, **{k: getattr(exp, k).double() for k in ("old_log_probs", "ref_log_probs",
+                                                                               "advantages", "rewards")})  # fmt: skip
+    lopti = method["eta"] is not None or method.get("quantile") is not None
+    cfg = TrainConfig(
+        model="unused", out="unused", alpha=method["alpha"], lopti=lopti, eta=method["eta"] or 0.5,
+        lopti_quantile=method.get("quantile"), optimizer=optimizer, lr=LR, mini_batch_size=MINI,
+        micro_batch_size=MICRO, epochs=epochs, grad_clip=1.0, kl_coef=KL, kl_estimator="k3", eps_low=0.2,
+        eps_high=0.24, temperature=tiny["temperature"], n_samples=4, loss_backend="torch",
+    )  # fmt: skip
+    before = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    with Float64Shadow() if float64 else nullcontext(), mini_batches_in_order():
+        (opt,) = build_optimizers([p for p in policy.parameters() if p.requires_grad], cfg)
+        metrics = update_policy(policy, opt, exp, cfg)
+    return {name: p.detach() - before[name] for name, p in policy.named_parameters()}, metrics
+
+
+def phase_names(method: dict) -> tuple:
+    return ("low", "high") if method["eta"] is not None or method.get("quantile") is not None else ()
+
+
+def mean(values) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_one_step_equals_the_local_update_with_sgd(tiny, name, monkeypatch):
+    """GRPO, AR, Lopti, AR+Lopti: verl's actor with our loss and worker makes the local trainer's update."""
+    method = METHODS[name]
+    v32, vm32, _ = run_verl(tiny, method, float64=False)
+    v64, vm64, _ = run_verl(tiny, method, float64=True)
+    l32, lm32 = run_local(tiny, method, float64=False)
+    l64, lm64 = run_local(tiny, method, float64=True, monkeypatch=monkeypatch)
+
+    assert set(v32) == set(l32), f"parameter names differ: {sorted(set(v32) ^ set(l32))}"
+    for param in l32:
+        assert_same_computation(f"{name}: change of {param}", v32[param], l32[param], v64[param], l64[param],
+                                a_name="verl", b_name="local")  # fmt: skip
+    # the round, from algo.plan_round on the same tensors: the same numbers exactly
+    round_keys = [k for k in lm32 if k.startswith(("lopti/threshold", "lopti/low_token_frac", "ar/")) or
+                  (k.startswith("lopti/") and k.endswith("/tokens"))]  # fmt: skip
+    assert round_keys == [k for k in round_keys if k in vm32], f"verl lacks {set(round_keys) - set(vm32)}"
+    assert {k: vm32[k] for k in round_keys} == {k: lm32[k] for k in round_keys}
+    if method["alpha"] > 0:
+        assert "ar/mean_weight" in vm32
+    # each phase's optimizer steps: as many, with the same mean gradient norm (before clipping)
+    for phase in phase_names(method):
+        assert len(vm32[f"lopti/{phase}/grad_norm"]) == 2  # 16 responses / mini-batches of 8
+        scalars_same_computation(f"{name}: {phase} phase's mean grad norm",
+                                 mean(vm32[f"lopti/{phase}/grad_norm"]), lm32[f"lopti/{phase}/grad_norm"],
+                                 mean(vm64[f"lopti/{phase}/grad_norm"]), lm64[f"lopti/{phase}/grad_norm"])  # fmt: skip
+    steps = 2 * max(len(phase_names(method)), 1)
+    assert len(vm32["grad_norm"]) == steps == lm32["optimizer_steps"]
+    scalars_same_computation(f"{name}: mean grad norm", mean(vm32["grad_norm"]), lm32["grad_norm"],
+                             mean(vm64["grad_norm"]), lm64["grad_norm"])  # fmt: skip
+    assert vm32["lr"] == [LR]  # the LR scheduler stepped once in the round
+
+
+def test_ar_and_lopti_with_adamw_and_two_epochs(tiny, monkeypatch):
+    """AR+Lopti with AdamW (one optimizer for both phases, phase 2 inheriting phase 1's moments) and two epochs:
+    the logic half only (AdamW turns rounding on near-zero gradients into whole steps)."""
+    method = METHODS["ar+lopti"]
+    v32, _, _ = run_verl(tiny, method, float64=False, optimizer="AdamW", epochs=2)
+    v64, vm64, _ = run_verl(tiny, method, float64=True, optimizer="AdamW", epochs=2)
+    l32, _ = run_local(tiny, method, float64=False, optimizer="adamw", epochs=2)
+    l64, lm64 = run_local(tiny, method, float64=True, optimizer="adamw", epochs=2, monkeypatch=monkeypatch)
+    for param in l32:
+        assert_same_computation(f"adamw: change of {param}", v32[param], l32[param], v64[param], l64[param],
+                                a_name="verl", b_name="local", precision=False)  # fmt: skip
+    assert len(vm64["grad_norm"]) == lm64["optimizer_steps"] == 8  # 2 phases x 2 epochs x 2 mini-batches
+
+
+def test_without_ar_and_lopti_the_worker_is_verls(tiny):
+    """GRPO through LoptiTrainingWorker (``ar`` loss absent, Lopti off) is verl's TrainingWorker bit for bit."""
+    from verl.workers.engine_workers import TrainingWorker
+
+    ours, ours_metrics, worker = run_verl(tiny, METHODS["grpo"], float64=False)
+    verls, verl_metrics, plain = run_verl(tiny, METHODS["grpo"], float64=False, worker_cls=TrainingWorker)
+    assert type(worker.actor).__name__ == "LoptiTrainingWorker" and type(plain.actor) is TrainingWorker
+    for param in ours:
+        assert torch.equal(ours[param], verls[param]), param
+    for key in ("loss", "grad_norm", "actor/pg_loss", "kl_loss", "lr"):
+        assert ours_metrics[key] == verl_metrics[key], key
+
+
+def test_lr_schedule_steps_once_per_rl_step_and_both_phases_share_its_lr(tiny):
+    """With a warm-up schedule (lr changes every scheduler step), every optimizer step of a Lopti round (2 phases x
+    2 mini-batches) runs at the same lr, and the schedule advances by one step per RL step."""
+    extra = ("actor_rollout_ref.actor.optim.lr_warmup_steps=4",)
+    cfg = harness.compose(harness.actor_overrides(tiny["path"], mini_batch=MINI, micro_batch=MICRO, lr=LR, eta=0.5,
+                                                  extra=extra))  # fmt: skip
+    worker = harness.actor_worker(cfg)
+    optimizer = worker.actor.engine.optimizer
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(opt.param_groups[0]["lr"]))
+    for _ in range(3):
+        worker.update_actor(harness.verl_batch(tiny["exp"], temperature=tiny["temperature"], mini_batch=MINI))
+    rounds = [seen[i : i + 4] for i in range(0, 12, 4)]
+    assert len(seen) == 12
+    for lrs in rounds:
+        assert len(set(lrs)) == 1, f"one round's optimizer steps ran at different lrs: {lrs}"
+    warmup = [LR * step / 4 for step in range(3)]  # verl's constant schedule with 4 warm-up steps, 0-indexed
+    assert [lrs[0] for lrs in rounds] == pytest.approx(warmup)
