@@ -107,7 +107,8 @@ def run_verl(tiny, method: dict, float64: bool, optimizer: str = "SGD", epochs: 
     return {name: after[name] - before[name] for name in before}, metrics, worker
 
 
-def run_local(tiny, method: dict, float64: bool, optimizer: str = "sgd", epochs: int = 1, monkeypatch=None):
+def run_local(tiny, method: dict, float64: bool, optimizer: str = "sgd", epochs: int = 1, monkeypatch=None,
+              micro: int = MICRO):
     """The same step by the local reference trainer: (each parameter's change, metrics)."""
     policy, exp = copy.deepcopy(tiny["model"]), tiny["exp"]
     if float64:
@@ -119,7 +120,7 @@ def run_local(tiny, method: dict, float64: bool, optimizer: str = "sgd", epochs:
     cfg = TrainConfig(
         model="unused", out="unused", alpha=method["alpha"], lopti=lopti, eta=method["eta"] or 0.5,
         lopti_quantile=method.get("quantile"), optimizer=optimizer, lr=LR, mini_batch_size=MINI,
-        micro_batch_size=MICRO, epochs=epochs, grad_clip=1.0, kl_coef=KL, kl_estimator="k3", eps_low=0.2,
+        micro_batch_size=micro, epochs=epochs, grad_clip=1.0, kl_coef=KL, kl_estimator="k3", eps_low=0.2,
         eps_high=0.24, temperature=tiny["temperature"], n_samples=4, loss_backend="torch",
     )  # fmt: skip
     before = {name: p.detach().clone() for name, p in policy.named_parameters()}
