@@ -17,13 +17,8 @@ def verl_on_cpu():
 def tiny():
     """A tiny Llama (peaked outputs: sampled tokens span low and high probabilities), its tokenizer, and one GRPO
     batch sampled from it at the paper's K&K temperature 0.7 with a made-up reference for the KL term."""
-    from transformers import AutoModelForCausalLM
-
-    from openrlhf_lopti.local.model import load_model
-
-    path = harness.tiny_model_dir(peak=8.0)
-    _, tokenizer, _ = load_model(path)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    path = harness.tiny_model_dir(peak=4.0)
+    model, tokenizer = harness.load_tiny(path)
     exp = harness.sample_experience(model, tokenizer, prompts=4, n=4, max_new_tokens=12, temperature=0.7, seed=0,
                                     ref_noise=0.3)  # fmt: skip
     torch.manual_seed(0)

@@ -9,7 +9,6 @@ Only Ray is left out: the worker's methods are called in this process (as Ray's 
 
 import os
 import tempfile
-from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
@@ -63,6 +62,7 @@ def actor_overrides(model_dir: str, *, mini_batch: int, micro_batch: int, lr: fl
                     epochs: int = 1, kl_coef: float = 0.0, clip_grad: float = 1.0, eps_low: float = 0.2,
                     eps_high: float = 0.24, alpha: float = 0.0, eta: Optional[float] = None,
                     order: str = "low_first", quantile: Optional[float] = None, reshard_after_forward: bool = False,
+                    loss_mode: Optional[str] = None,
                     extra: tuple = ()) -> List[str]:  # fmt: skip
     """Overrides for a CPU actor: FSDP2, fp32, eager attention, no padding removal, no torch.compile, constant lr,
     no weight decay, ``shuffle=False``; our loss config with AR / Lopti as given.
@@ -103,7 +103,7 @@ def actor_overrides(model_dir: str, *, mini_batch: int, micro_batch: int, lr: fl
         f"{a}.kl_loss_type=low_var_kl",
         f"{a}.entropy_coeff=0",
         f"{a}.policy_loss._target_=openrlhf_lopti.verl.LoptiPolicyLossConfig",
-        f"{a}.policy_loss.loss_mode={'ar' if alpha > 0 else 'vanilla'}",
+        f"{a}.policy_loss.loss_mode={loss_mode or ('ar' if alpha > 0 else 'vanilla')}",
         f"++{a}.policy_loss.ar_alpha={alpha}",
         f"++{a}.policy_loss.lopti_eta={'null' if eta is None else eta}",
         f"++{a}.policy_loss.lopti_order={order}",
@@ -123,26 +123,47 @@ def actor_worker(cfg):
     return worker
 
 
-def tiny_model_dir(seed: int = 0, peak: float = 1.0, hidden: int = 32, layers: int = 2) -> str:
-    """A random tiny Llama + word tokenizer saved as a HF checkpoint (no download). ``peak`` scales the (tied)
-    embedding, so that the output distributions are peaked: sampled tokens span low and high probabilities."""
-    from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer, save_model
+WORDS = ("says", ":", ".", "is", "a", "knight", "knave", "it", "false", "that", "and", "or", "if", "then", "only",
+         "<think>", "</think>", "<answer>", "</answer>", "Alice", "Bob", "Carol", "Dave")  # fmt: skip
 
-    tokenizer = build_word_tokenizer()
-    model = build_tiny_llama(tokenizer, hidden_size=hidden, num_layers=layers, num_heads=2, seed=seed)
+
+def tiny_model_dir(seed: int = 0, peak: float = 1.0, hidden: int = 32, layers: int = 2) -> str:
+    """A random tiny Llama (from a transformers config, tied embeddings) and a word-level tokenizer saved as a HF
+    checkpoint: no download. ``peak`` scales the embedding, so that the output distributions are peaked and sampled
+    tokens span low and high probabilities."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + list(WORDS))}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>", padding_side="left")  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(peak)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
     path = tempfile.mkdtemp(prefix="verl-tiny-")
-    save_model(model, tokenizer, path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 
-@dataclass
-class Batch:
-    """One batch of experience in the local trainer's layout (``Experience``) and in verl's (``TensorDict``)."""
+def load_tiny(path: str):
+    """(model with eager attention, left-padding tokenizer) from :func:`tiny_model_dir`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    exp: object  # openrlhf_lopti.local.experience.Experience
-    temperature: float
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager"), tokenizer
 
 
 def sample_experience(model, tokenizer, *, prompts: int, n: int, max_new_tokens: int, temperature: float,
@@ -152,10 +173,8 @@ def sample_experience(model, tokenizer, *, prompts: int, n: int, max_new_tokens:
     from openrlhf_lopti.local.advantages import grpo_advantages
     from openrlhf_lopti.local.experience import Experience
     from openrlhf_lopti.local.rollout import generate_rollouts, response_logprobs
-    from openrlhf_lopti.local.task import COMPACT_WORDS
-
     g = torch.Generator().manual_seed(seed)
-    words = [w for w in COMPACT_WORDS]
+    words = list(WORDS)
     texts = []
     for i in range(prompts):
         length = 2 + i % 3  # different prompt lengths: left padding in some rows
