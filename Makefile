@@ -45,10 +45,35 @@ test: install
 	$(BIN)/python -m pytest -q tests
 	@echo "== the numerics-sensitive tests again under another CPU dispatch: $(ALT_DISPATCH)"
 	$(ALT_DISPATCH) $(BIN)/python -m pytest -q -p no:cacheprovider $(NUMERICS_TESTS)
+	$(MAKE) test-verl
 
 bench: install
 	$(BIN)/python benchmarks/bench_policy_loss.py
 	$(BIN)/python benchmarks/bench_cpu_policy_loss.py
+
+# openrlhf_lopti.verl in its own environment (docs/VERL.md): verl 0.9.1 needs transformers<5.11, the main .venv
+# runs 5.19. Our package goes in with --no-deps, so its own requirements do not fight verl's pins; the C++ kernel is
+# not built there (OPENRLHF_LOPTI_NO_BUILD: the verl front end does not use it). tests/verl runs only here: the
+# main suite ignores it (pytest.ini).
+VERL_VENV := .venv-verl
+VERL_PIP := $(VERL_VENV)/bin/pip -q --disable-pip-version-check
+.PHONY: venv-verl test-verl clean-venv-verl
+
+venv-verl: $(VERL_VENV)/.installed
+
+$(VERL_VENV)/.installed: setup.py requirements/verl.txt requirements/constraints.txt
+	test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
+	$(VERL_PIP) install --upgrade pip setuptools wheel
+	$(VERL_PIP) install torch==2.13.0
+	$(VERL_PIP) install $(CONSTRAINTS) -r requirements/verl.txt
+	OPENRLHF_LOPTI_NO_BUILD=1 $(VERL_PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .
+	touch $@
+
+test-verl: venv-verl
+	$(VERL_VENV)/bin/python -m pytest -q -W "ignore:.*engine is not available:UserWarning" tests/verl
+
+clean-venv-verl:
+	rm -rf $(VERL_VENV)
 
 # Mutation testing of the core (tools/mutation.py; scores and survivors in TESTING.md). Not part of `test`/CI:
 # tens of minutes on 2 cores. MUTATION_ARGS="--only algo.lopti,tasks.kk" runs some modules.

@@ -78,6 +78,11 @@ setup(
         "dev": ["pytest", "pytest-timeout", "hypothesis"],
         # openrlhf_lopti.trl (LoptiGRPOTrainer); TRL 1.16.0 runs on the same transformers pin as the rest.
         "trl": ["trl==1.16.0"],
+        # openrlhf_lopti.verl (the 'ar' policy loss, LoptiTrainingWorker): verl 0.9.1 with the pins its own requirements
+        # leave open (transformers, tensordict) and what verl.workers.engine_workers imports besides (fastapi,
+        # uvicorn). Its own environment: verl needs transformers<5.11 (docs/VERL.md, requirements/verl.txt).
+        "verl": ["verl==0.9.1", "transformers>=5.5.3,<5.11,!=5.6.0", "tensordict>=0.8,<=0.10,!=0.9.0", "fastapi",
+                 "uvicorn"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
