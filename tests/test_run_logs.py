@@ -1,0 +1,71 @@
+"""``tests/run_logs.py``: the first error of a failed run's output and logs, for the pipeline tests' messages."""
+
+from pathlib import Path
+
+from .run_logs import failure_report, first_error_in, first_errors, ray_log_files
+
+RAY_OUTPUT = """\
+2026-11-25 10:00:01,000 INFO worker.py:1 -- Connecting to existing Ray cluster at address: 127.0.0.1:6379
+(LoptiPolicyModelActor pid=123) [rank0]: loading the model
+(LoptiPolicyModelActor pid=123) Traceback (most recent call last):
+(LoptiPolicyModelActor pid=123)   File "a.py", line 1, in <module>
+""" + "".join(f'(LoptiPolicyModelActor pid=123)   File "f{i}.py", line {i}, in g\n' for i in range(30)) + """\
+(LoptiPolicyModelActor pid=123) RuntimeError: the actor failed
+Traceback (most recent call last):
+  File "train.py", line 10, in <module>
+    main()
+  File "train.py", line 5, in main
+    ray.get(ref)
+ray.exceptions.RayTaskError(TypeError): ray::CPURolloutActor.update_weight() (pid=7)
+TypeError: --cpu weight sync: the policy sent w in torch.float32, the engine runs torch.bfloat16
+2026-11-25 10:00:09,000 INFO -- shutting down
+""" + "noise\n" * 200
+
+
+def test_a_traceback_is_given_to_its_exception_line_with_its_last_frames():
+    line, excerpt = first_error_in(RAY_OUTPUT)
+    assert line == 3  # the actor's traceback comes first: its header
+    lines = excerpt.splitlines()
+    assert lines[1].endswith("[rank0]: loading the model") and "Traceback" in lines[2]
+    assert "lines of frames ..." in lines[3] and len(lines) < 20  # 31 frame lines cut to the last 12
+    assert lines[-2].endswith('File "f29.py", line 29, in g')
+    assert lines[-1] == "(LoptiPolicyModelActor pid=123) RuntimeError: the actor failed"
+
+
+def test_the_driver_traceback_ends_at_its_exception_line():
+    text = RAY_OUTPUT.split("(LoptiPolicyModelActor pid=123) Traceback")[0] + RAY_OUTPUT.split("the actor failed\n")[-1]
+    _, excerpt = first_error_in(text)
+    assert excerpt.splitlines()[-1].startswith("ray.exceptions.RayTaskError(TypeError)")
+    assert "ray.get(ref)" in excerpt and "shutting down" not in excerpt
+
+
+def test_plain_error_lines_and_none():
+    assert first_error_in("usage: x\nx: error: unrecognized arguments: --bogus\n") == (
+        2, "usage: x\nx: error: unrecognized arguments: --bogus")
+    assert first_error_in("(raylet) [2026] ERROR node_manager.cc:1 node died\nok\n")[0] == 1
+    assert first_error_in("E   assert 1 == 2\nFAILED tests/x.py::t - assert\n")[0] == 2
+    assert first_error_in("Timed out waiting 60000ms for recv operation to complete\n")[0] == 1
+    for quiet in ("all good\nerrors: 0\nstderr is empty\nRayTaskErrorish names\n", ""):
+        assert first_error_in(quiet) is None
+
+
+def test_sources_are_labelled_files_are_read_and_the_report_has_the_tail(tmp_path):
+    log = tmp_path / "worker.err"
+    log.write_text("start\nValueError: bad value\n")
+    report = first_errors("nothing here", log, ("job output", "RuntimeError: boom"), tmp_path / "missing.log")
+    assert report.splitlines()[0] == f"--- first error in {log}, line 2:"
+    assert "--- first error in job output, line 1:\nRuntimeError: boom" in report
+    assert first_errors("fine", most=1) == ""
+    message = failure_report("fine\n" * 10 + "the end", log, tail=7)
+    assert message.startswith(f"--- first error in {log}") and message.endswith("the end")
+
+
+def test_ray_log_files_lists_each_session_once_most_telling_first(tmp_path):
+    logs = tmp_path / "session_2026-11-25_10-00-00_1" / "logs"
+    logs.mkdir(parents=True)
+    for name in ("raylet.out", "worker-abc-01000000-7.err", "job-driver-raysubmit_1.log", "gcs_server.out"):
+        (logs / name).write_text("x")
+    (tmp_path / "session_latest").symlink_to(logs.parent)
+    names = [p.name for p in ray_log_files(tmp_path)]
+    assert names == ["job-driver-raysubmit_1.log", "worker-abc-01000000-7.err", "raylet.out", "gcs_server.out"]
+    assert ray_log_files(Path(tmp_path / "absent")) == []
