@@ -1,0 +1,75 @@
+"""The K&K data and reward for verl: ``python -m openrlhf_lopti data kk`` -> ``python -m openrlhf_lopti.verl.data``
+-> parquet that verl's own ``RLHFDataset`` reads (main_ppo's ``data`` config), and the reward file loaded by path the
+way verl loads ``reward.custom_reward_function``."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from openrlhf_lopti.tasks import load_rows
+
+REWARD_FILE = Path(__file__).resolve().parents[2] / "openrlhf_lopti" / "verl" / "reward.py"
+
+
+@pytest.fixture(scope="module")
+def kk_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kk")
+    run = subprocess.run([sys.executable, "-m", "openrlhf_lopti", "data", "kk", "--out", str(out), "--people", "3",
+                          "5", "--train-per-n", "3", "--test-per-n", "2"], capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    run = subprocess.run([sys.executable, "-m", "openrlhf_lopti.verl.data", str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return out
+
+
+def test_verls_dataset_reads_the_converted_files(kk_dir, tiny):
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from . import harness
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny["path"])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    cfg = harness.compose([])  # main_ppo's data config, as given
+    data_config = OmegaConf.create(OmegaConf.to_container(cfg.data))
+    data_config.update(max_prompt_length=4096, cache_dir=str(kk_dir / "cache"))
+    dataset = RLHFDataset(data_files=str(kk_dir / "train.parquet"), tokenizer=tokenizer, config=data_config)
+    rows, _ = load_rows(kk_dir / "train.jsonl")
+    assert len(dataset) == len(rows) == 6
+    item = dataset[0]
+    assert item["data_source"] == rows[0]["datasource"] in ("kk_3ppl", "kk_5ppl")
+    assert item["reward_model"] == {"style": "rule", "ground_truth": rows[0]["label"]}
+    assert item["extra_info"]["num_people"] == rows[0]["num_people"]
+    assert [m["content"] for m in item["raw_prompt"]] == [m["content"] for m in rows[0]["prompt"]]
+    test = RLHFDataset(data_files=str(kk_dir / "test.parquet"), tokenizer=tokenizer, config=data_config)
+    assert len(test) == 4
+
+
+def test_the_converter_refuses_to_overwrite_and_plain_prompts(kk_dir, tmp_path):
+    run = subprocess.run([sys.executable, "-m", "openrlhf_lopti.verl.data", str(kk_dir)], capture_output=True,
+                         text=True)  # fmt: skip
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "--overwrite" in run.stderr
+    plain = tmp_path / "plain"
+    subprocess.run([sys.executable, "-m", "openrlhf_lopti", "data", "kk", "--out", str(plain), "--people", "3",
+                    "--train-per-n", "1", "--test-per-n", "1", "--plain-prompt"], check=True, capture_output=True)  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "openrlhf_lopti.verl.data", str(plain)], capture_output=True,
+                         text=True)  # fmt: skip
+    assert run.returncode == 2 and "without --plain-prompt" in run.stderr and run.stderr.count("\n") == 1
+
+
+def test_the_reward_file_as_verl_loads_it(kk_dir):
+    from verl.utils.import_utils import load_extern_object
+
+    compute_score = load_extern_object(module_path=str(REWARD_FILE), object_name="compute_score")
+    label = load_rows(kk_dir / "test.jsonl")[0][0]["label"]
+    right = f"<think> reasoning </think>\n<answer>\n{label}\n</answer>"
+    assert compute_score(data_source="kk_3ppl", solution_str=right, ground_truth=label, extra_info={}) == {
+        "score": 3.0, "format_reward": 1.0, "answer_reward": 2.0, "acc": 1.0,
+    }  # fmt: skip
+    flipped = label.replace("knight", "KNAVE").replace("knave", "knight").replace("KNAVE", "knave")
+    wrong = f"<think> reasoning </think>\n<answer>\n{flipped}\n</answer>"
+    assert compute_score(data_source="kk_3ppl", solution_str=wrong, ground_truth=label)["score"] == -0.5
+    assert compute_score(data_source="kk_3ppl", solution_str="no tags", ground_truth=label)["score"] == -3.0
