@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The paper's K&K setting (Yang et al. 2025, Appendix B, Table 2) with verl 0.9.1: GRPO + AR (alpha 0.3) + Lopti
+# (eta 0.5, low tokens first), Qwen2.5-3B-Instruct, on one node of GPUs. See docs/VERL.md.
+#
+#   METHOD=ar+lopti bash examples/verl/train_kk_grpo_ar_lopti.sh        # grpo | ar | lopti | ar+lopti
+#   DRY_RUN=1 bash examples/verl/train_kk_grpo_ar_lopti.sh              # print main_ppo's overrides, run nothing
+#
+# Needs verl 0.9.1 with a vLLM rollout and CUDA GPUs (not run here: main_ppo needs CUDA and a vLLM / SGLang
+# rollout server; the CPU tests run our loss and worker inside verl's actor, docs/VERL.md). Extra arguments are
+# passed to main_ppo as more overrides, e.g. trainer.total_epochs=2.
+set -euo pipefail
+
+PYTHON=${PYTHON:-python}
+MODEL=${MODEL:-Qwen/Qwen2.5-3B-Instruct}
+DATA=${DATA:-data/kk}
+NGPUS=${NGPUS:-8}
+METHOD=${METHOD:-ar+lopti}
+
+case "$METHOD" in
+  grpo)     LOSS=vanilla; ALPHA=0.0; ETA=null ;;
+  ar)       LOSS=ar;      ALPHA=0.3; ETA=null ;;
+  lopti)    LOSS=vanilla; ALPHA=0.0; ETA=0.5 ;;
+  ar+lopti) LOSS=ar;      ALPHA=0.3; ETA=0.5 ;;
+  *) echo "METHOD must be grpo, ar, lopti or ar+lopti, got '$METHOD'" >&2; exit 2 ;;
+esac
+
+REWARD=$("$PYTHON" -c 'import os, openrlhf_lopti; print(os.path.join(os.path.dirname(openrlhf_lopti.__file__), "verl", "reward.py"))')
+ACTOR=actor_rollout_ref.actor
+ARGS=(
+  algorithm.adv_estimator=grpo
+  algorithm.use_kl_in_reward=false
+  data.train_files="$DATA/train.parquet"
+  data.val_files="$DATA/test.parquet"
+  data.train_batch_size=64
+  data.max_prompt_length=1024
+  data.max_response_length=4096
+  actor_rollout_ref.model.path="$MODEL"
+  actor_rollout_ref.model.use_remove_padding=true
+  actor_rollout_ref.model.enable_gradient_checkpointing=true
+  $ACTOR.strategy=fsdp2
+  $ACTOR.optim.lr=1e-6
+  $ACTOR.ppo_mini_batch_size=32
+  $ACTOR.ppo_micro_batch_size_per_gpu=4
+  $ACTOR.use_kl_loss=true
+  $ACTOR.kl_loss_coef=0.001
+  $ACTOR.kl_loss_type=low_var_kl
+  $ACTOR.entropy_coeff=0
+  $ACTOR.clip_ratio_low=0.2
+  $ACTOR.clip_ratio_high=0.24
+  $ACTOR.loss_agg_mode=token-mean
+  # AR and Lopti: our policy-loss config, the 'ar' loss, Lopti's threshold (null: off)
+  $ACTOR.policy_loss._target_=openrlhf_lopti.verl.LoptiPolicyLossConfig
+  $ACTOR.policy_loss.loss_mode=$LOSS
+  +$ACTOR.policy_loss.ar_alpha=$ALPHA
+  +$ACTOR.policy_loss.lopti_eta=$ETA
+  +$ACTOR.policy_loss.lopti_order=low_first
+  actor_rollout_ref.rollout.name=vllm
+  actor_rollout_ref.rollout.n=8
+  actor_rollout_ref.rollout.temperature=0.7
+  actor_rollout_ref.rollout.tensor_model_parallel_size=1
+  actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8
+  actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8
+  reward.custom_reward_function.path="$REWARD"
+  reward.custom_reward_function.name=compute_score
+  trainer.n_gpus_per_node="$NGPUS"
+  trainer.nnodes=1
+  trainer.total_epochs=1
+  trainer.test_freq=10
+  trainer.save_freq=-1
+  trainer.logger='["console"]'
+  trainer.project_name=lopti-kk
+  trainer.experiment_name="kk-$METHOD"
+)
+
+if [ -n "${DRY_RUN:-}" ]; then
+  printf '%s\n' "${ARGS[@]}" "$@"
+  exit 0
+fi
+
+if [ ! -f "$DATA/train.parquet" ]; then
+  "$PYTHON" -m openrlhf_lopti data kk --out "$DATA"       # 900 train / 100 test puzzles per size, 3 to 7 people
+  "$PYTHON" -m openrlhf_lopti.verl.data "$DATA"            # -> train.parquet, test.parquet
+fi
+
+# the one environment variable: verl imports our package in every process (the 'ar' loss, the Lopti worker)
+export VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl
+exec "$PYTHON" -m verl.trainer.main_ppo "${ARGS[@]}" "$@"
