@@ -205,3 +205,137 @@ def test_table_shows_every_stage_the_step_sums():
         cell = dict(zip(header, row))
         stages = [float(cell[f"{stage} s"].split()[0]) for stage in ("generation", "experience", "train", "broadcast")]
         assert sum(stages) == pytest.approx(float(cell["step s"].split()[0]))
+
+
+# ---------------------------------------------------------------------------------------------- bench_real_shape
+# The sibling that measures Lopti's factor at a real decoder : lm_head ratio (issue 34), on its "tiny" shape here.
+from benchmarks import bench_real_shape as real  # noqa: E402
+
+REAL_TINY = ["--shape", "tiny", "--prompt-tokens", "4", "--response-tokens", "12", "--responses", "4",
+             "--mini-batch-size", "4", "--micro-batch-size", "2", "--warmup", "1", "--repeats", "2",
+             "--methods", "grpo,lopti", "--low-share", "0.3"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("real") / "out"
+    assert real.main(REAL_TINY + ["--out", str(out)]) == 0
+    return out, json.loads((out / "real_shape.json").read_text())
+
+
+@pytest.mark.parametrize("shape, published", [("qwen2.5-0.5b", 494_032_768), ("qwen2.5-1.5b", 1_543_714_304),
+                                              ("qwen2.5-3b", 3_085_938_688), ("qwen2.5-7b", 7_615_616_512)])  # fmt: skip
+def test_real_shapes_build_the_published_parameter_counts(shape, published):
+    """The shapes are Qwen2.5's: the transformers model built on the meta device has the parameter count the
+    Hugging Face hub reports for the released checkpoints, and ``parameter_counts`` (the projection's arithmetic)
+    counts the same."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(real.qwen2_config(shape))
+    built = sum(p.numel() for p in model.parameters())  # a tied lm_head is the embedding: counted once
+    counts = real.parameter_counts(shape)
+    assert counts["total"] == built
+    assert counts["body"] == sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.layers.")
+                                 or n == "model.norm.weight")  # fmt: skip
+    assert built == published
+
+
+def test_real_shape_run_records_every_update_with_its_stage_split(real_run):
+    out, report = real_run
+    assert {p.name for p in out.iterdir()} == set(real.OUTPUTS) and report["complete"]
+    records = report["records"]
+    assert len(records) == 2 * 2 * 2  # 2 loss paths x 2 methods x 2 counted rounds; the warm-up is left out
+    assert sorted({r["round"] for r in records}) == [1, 2]
+    tokens = 4 * 12
+    for r in records:
+        stages = [r[f"{k}_s"] for k in ("body_fwd", "head", "body_bwd", "optimizer")]
+        assert all(s > 0 for s in stages) and sum(stages) <= r["train_s"]
+        assert r["other_s"] == pytest.approx(r["train_s"] - sum(stages))
+        assert r["compute_s"] == pytest.approx(sum(stages[:3]))
+        assert r["optimizer_steps"] == (2 if r["method"] == "lopti" else 1)  # one mini-batch, one step per phase
+        # the CPU split apportions the update's CPU seconds to the stages by their share of its wall time
+        assert sum(real.stage_seconds(r, "cpu").values()) == pytest.approx(r["train_cpu_s"])
+        assert real.stage_seconds(r, "wall")["head"] == r["head_s"]
+        assert r["peak_growth_mib"] > 0 and r["rss_before_mib"] > 0
+        if r["method"] == "lopti":
+            assert r["low_tokens"] + r["high_tokens"] == tokens and 0 < r["low_tokens"] < tokens
+            assert 0 < r["train_low_s"] + r["train_high_s"] <= r["train_s"]
+
+
+def test_real_shape_factor_is_the_median_of_round_by_round_ratios(real_run):
+    out, report = real_run
+    for path in ("logits_kernel", "fused_lm_head"):
+        by = {(r["method"], r["round"]): r for r in report["records"] if r["loss_path"] == path}
+        for field, key in (("train_s", "train"), ("compute_s", "compute"), ("body_bwd_s", "body_bwd")):
+            ratios = [by[("lopti", k)][field] / by[("grpo", k)][field] for k in (1, 2)]
+            assert report["factors"][path]["lopti"][key]["median"] == pytest.approx(statistics.median(ratios))
+    table = (out / "real_shape.md").read_text()
+    # a row per method, two split rows (without / with Lopti) and a projection row for the one pair measured
+    assert table.count("| logits_kernel |") == 2 + 2 + 1 and table.count("| fused_lm_head |") == 2 + 2 + 1
+    assert set(real.splits(report)["fused_lm_head"]) == {"lopti/grpo"}  # no AR run: nothing to pool
+
+
+def test_projection_scales_body_and_head_by_their_flops():
+    """At the measured shape the projection is the measured ratio; a larger body : head ratio moves it toward the
+    body's own factor (Lopti runs the body twice, the head about once)."""
+    split = {"grpo": {"body_fwd": 1.0, "head": 2.0, "body_bwd": 2.0, "optimizer": 0.5, "other": 0.5},
+             "lopti": {"body_fwd": 2.0, "head": 2.0, "body_bwd": 4.0, "optimizer": 1.0, "other": 1.0}}  # fmt: skip
+    at = real.project(split, "qwen2.5-0.5b", 80)
+    assert at["qwen2.5-0.5b"]["factor"] == pytest.approx(10.0 / 6.0)
+    assert at["qwen2.5-0.5b"]["factor_compute"] == pytest.approx(8.0 / 5.0)
+    factors = [at[t]["factor_compute"] for t in real.PROJECT_TO]
+    assert factors == sorted(factors) and factors[-1] < 2.0  # 0.5B < 1.5B < 3B < 7B, all below the body's 2x
+    f05, f7 = real.token_flops("qwen2.5-0.5b", 80), real.token_flops("qwen2.5-7b", 80)
+    assert at["qwen2.5-7b"]["scale"]["head"] == pytest.approx(f7["head"] / f05["head"])
+    assert at["qwen2.5-7b"]["scale"]["body_fwd"] == pytest.approx(f7["body"] / f05["body"])
+
+
+def test_synthetic_experience_puts_the_asked_share_below_eta():
+    exp = real.synthetic_experience(1000, 8, 4, 500, 0.2, 0.5, seed=0)
+    p = exp.old_log_probs.exp()
+    assert abs(float((p < 0.5).float().mean()) - 0.2) < 0.02 and float(p.max()) < 1
+    assert exp.rollout.sequences.shape == (8, 504) and bool(exp.rollout.action_mask.all())
+    assert torch_equal(exp.ref_log_probs, exp.old_log_probs)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--low-share", "0"], "--low-share must be in (0, 1)"),
+        (["--responses", "8", "--mini-batch-size", "3"], "--mini-batch-size 3 must divide --responses 8"),
+        (["--device", "tpu"], "--device must be cpu or cuda"),
+        (["--shape", "llama"], "argument --shape: invalid choice"),
+    ],
+)
+def test_real_shape_bad_flags_are_one_line_errors(flags, message):
+    with pytest.raises(UserError) as error:
+        real.resolve_args(flags)
+    assert message in str(error.value)
+
+
+def test_real_shape_on_cuda_without_a_gpu_is_refused(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    with pytest.raises(UserError, match="--device cuda: no CUDA device visible"):
+        real.main(["--shape", "tiny", "--device", "cuda", "--out", str(tmp_path / "o")])
+
+
+def test_real_shape_render_reprints_the_tables(real_run, capsys):
+    out, report = real_run
+    capsys.readouterr()
+    assert real.main(["--render", str(out / "real_shape.json")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.strip() == (out / "real_shape.md").read_text().strip()
+    assert "| fused_lm_head | lopti/grpo | tiny |" in printed and "| logits_kernel | lopti/grpo | tiny |" in printed
+    with pytest.raises(UserError, match="--render /nonexistent.json: cannot read a report"):
+        real.main(["--render", "/nonexistent.json"])

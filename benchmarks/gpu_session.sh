@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# One GPU session, one command, one report (issue 34): everything this project has never run on a GPU, in at most
+# ~10 minutes, each step under its own time budget; a failed or timed-out step prints its first error line and the
+# session goes on to the next.
+#
+#   benchmarks/gpu_session.sh --dry-run        # list the steps and their budgets (anywhere, nothing runs)
+#   benchmarks/gpu_session.sh --fetch-wheels   # HERE, with internet: the wheels the GPU image lacks -> .gpu-wheels/
+#   benchmarks/gpu_session.sh                  # ON THE GPU MACHINE, from the repository root
+#
+# With the device tool: run(command="bash benchmarks/gpu_session.sh", carry=[".gpu-wheels"], timeout_s=600).
+# The image (Python 3.12, torch 2.11, Triton 3.6, transformers 5.17, accelerate; no internet) lacks trl, datasets
+# (+ dill, multiprocess), liger-kernel and openrlhf: --fetch-wheels downloads them with --no-deps into the
+# git-ignored .gpu-wheels/, and the session installs them into a temporary --target before its first step.
+# Without CUDA it refuses in one line (exit 2). Logs and JSON go to $OUT when set (the device tool's folder that
+# comes back), else to a temporary folder; the report is what it prints.
+#
+# Environment: PYTHON (default python3), GPU_SESSION_BUDGET_S (the session's total, default 570), WHEELS (default
+# .gpu-wheels).
+set -u
+
+cd "$(dirname "$0")/.." || exit 2
+PYTHON=${PYTHON:-python3}
+WHEELS=${WHEELS:-.gpu-wheels}
+BUDGET=${GPU_SESSION_BUDGET_S:-570}
+WHEEL_PINS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 openrlhf==0.11.2)
+
+# name | budget s | command (run by bash from the repository root, $PYTHON and $LOGS set)
+STEPS=(
+  "probe|30|\$PYTHON -m benchmarks.gpu_steps probe"
+  "check-gpu|110|\$PYTHON -m openrlhf_lopti check-gpu --no-bench"
+  "loss-head|90|\$PYTHON -m benchmarks.gpu_steps loss-head --n 8192 --v 151936 --json \$LOGS/loss_head.json"
+  "lm-head-h896|55|\$PYTHON benchmarks/bench_memory.py --device cuda --n 16384 --h 896 --paths logits_kernel,fused_linear --repeats 3 --json \$LOGS/lm_head_h896.json --overwrite"
+  "lm-head-h4096|65|\$PYTHON benchmarks/bench_memory.py --device cuda --n 16384 --h 4096 --paths logits_kernel,fused_linear --repeats 3 --json \$LOGS/lm_head_h4096.json --overwrite"
+  "trl-steps|70|\$PYTHON -m benchmarks.gpu_steps trl --steps 4"
+  "local-steps|60|\$PYTHON -m benchmarks.gpu_steps local --steps 3"
+  "real-shape-0.5b|90|\$PYTHON -m benchmarks.bench_real_shape --device cuda --shape qwen2.5-0.5b --responses 32 --prompt-tokens 64 --response-tokens 512 --mini-batch-size 16 --micro-batch-size 8 --warmup 1 --repeats 3 --out \$LOGS/real_shape_05b --overwrite"
+)
+
+# Tests only: GPU_SESSION_STEPS_FILE replaces the steps (one "name|budget|command" a line), GPU_SESSION_ASSUME_CUDA=1
+# skips the CUDA check, GPU_SESSION_MIN_STEP_S (default 15) is the least budget a step is started with.
+if [[ -n ${GPU_SESSION_STEPS_FILE:-} ]]; then
+  mapfile -t STEPS <"$GPU_SESSION_STEPS_FILE"
+fi
+MIN_STEP=${GPU_SESSION_MIN_STEP_S:-15}
+
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+
+case "${1:-}" in
+  --dry-run)
+    echo "gpu_session: dry run: ${#STEPS[@]} steps, session budget ${BUDGET} s (each step: its budget or what is left)"
+    for step in "${STEPS[@]}"; do
+      IFS='|' read -r name budget command <<<"$step"
+      printf '  %-16s %4s s  %s\n' "$name" "$budget" "$command"
+    done
+    echo "  (before the steps: install ${WHEELS}/*.whl, if any, into a temporary --target; PYTHONPATH=that:repo)"
+    exit 0 ;;
+  --fetch-wheels)
+    mkdir -p "$WHEELS"
+    exec "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform any -d "$WHEELS" "${WHEEL_PINS[@]}" ;;
+  -h|--help) usage; exit 0 ;;
+  "") ;;
+  *) echo "gpu_session: unknown argument ${1}: use --dry-run, --fetch-wheels or nothing (see --help)"; exit 2 ;;
+esac
+
+if [[ ${GPU_SESSION_ASSUME_CUDA:-} == 1 ]]; then
+  cuda="True (assumed by GPU_SESSION_ASSUME_CUDA, tests only)"
+elif ! cuda=$("$PYTHON" -c 'import torch; print(torch.cuda.is_available(), torch.__version__)' 2>&1); then
+  echo "gpu_session: refusing: torch does not import with $PYTHON ($(tail -n1 <<<"$cuda")); --dry-run lists the steps"
+  exit 2
+fi
+if [[ $cuda != True* ]]; then
+  echo "gpu_session: refusing: no CUDA device visible to torch ${cuda#* } on this machine; --dry-run lists the steps"
+  exit 2
+fi
+
+START=$SECONDS
+LOGS=${OUT:-$(mktemp -d -t gpu_session-XXXXXX)}
+mkdir -p "$LOGS"
+REPORT=$LOGS/gpu_session.log
+export PYTHON LOGS PYTHONUNBUFFERED=1 OPENRLHF_LOPTI_NO_JIT=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+say() { echo "$*" | tee -a "$REPORT"; }
+
+gpu=$(nvidia-smi -L 2>/dev/null | head -n1)
+say "gpu_session: $(date -u +%FT%TZ), ${gpu:-nvidia-smi: none}, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), budget ${BUDGET} s"
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  SITE=$(mktemp -d -t gpu_session_site-XXXXXX)
+  if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl >"$LOGS/wheels.log" 2>&1; then
+    export PYTHONPATH="$SITE:$PYTHONPATH"
+    say "wheels: installed $(ls "$WHEELS"/*.whl | wc -l) from $WHEELS into $SITE"
+  else
+    say "wheels: install FAILED: $(grep -m1 -iE 'error' "$LOGS/wheels.log" || tail -n1 "$LOGS/wheels.log")"
+  fi
+else
+  say "wheels: none in $WHEELS (trl / liger-kernel / openrlhf steps will say what they miss; see --fetch-wheels)"
+fi
+
+failed=0
+for step in "${STEPS[@]}"; do
+  IFS='|' read -r name budget command <<<"$step"
+  left=$((BUDGET - (SECONDS - START)))
+  ((budget > left)) && budget=$left
+  if ((budget < MIN_STEP)); then
+    say "== $name: SKIPPED (session budget spent: ${left} s left)"
+    failed=$((failed + 1))
+    continue
+  fi
+  say "== $name (budget ${budget} s): $command"
+  log=$LOGS/step_${name}.log
+  t0=$SECONDS
+  timeout --kill-after=5 "$budget" bash -c "$command" >"$log" 2>&1
+  rc=$?
+  grep -vE '^\s*$|it/s\]|s/it\]|%\|' "$log" | tail -n 40 | tee -a "$REPORT"
+  if ((rc == 124 || rc == 137)); then
+    say "== $name: TIMED OUT after ${budget} s; first error line: $(grep -m1 -E 'Error|error:|Exception' "$log" || echo none)"
+    failed=$((failed + 1))
+  elif ((rc != 0)); then
+    say "== $name: FAILED (exit $rc) after $((SECONDS - t0)) s; first error line: $(grep -m1 -E 'Error|error:|Exception|FAILED' "$log" || tail -n1 "$log")"
+    failed=$((failed + 1))
+  else
+    say "== $name: ok in $((SECONDS - t0)) s"
+  fi
+done
+say "gpu_session: done in $((SECONDS - START)) s, ${failed} of ${#STEPS[@]} steps failed, skipped or timed out; logs in $LOGS"
+# The device tool brings back at most 8 files from $OUT: keep the report and the JSON, bundle the step logs.
+if [[ -n ${OUT:-} ]]; then
+  tar -czf "$LOGS/step_logs.tgz" -C "$LOGS" $(cd "$LOGS" && ls step_*.log wheels.log 2>/dev/null) 2>/dev/null &&
+    rm -f "$LOGS"/step_*.log "$LOGS"/wheels.log
+  for d in "$LOGS"/real_shape_*; do
+    [[ -d $d ]] && cp "$d/real_shape.json" "$LOGS/$(basename "$d").json" 2>/dev/null && rm -rf "$d"
+  done
+fi
+exit $((failed > 0))

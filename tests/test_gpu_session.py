@@ -1,0 +1,157 @@
+"""benchmarks/gpu_session.sh (issue 34): the dry run lists its steps anywhere, a machine without CUDA is refused in
+one line, a failed or timed-out step prints its first error line and the session goes on, and every step's command
+parses with the real parser of what it runs. The GPU steps themselves cannot run here (no GPU in CI)."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu_session.sh"
+STEP_NAMES = ["probe", "check-gpu", "loss-head", "lm-head-h896", "lm-head-h4096", "trl-steps", "local-steps",
+              "real-shape-0.5b"]  # fmt: skip
+
+
+def session(*args, env=None, timeout=60):
+    full = {**os.environ, "WHEELS": "/nonexistent-wheels", **(env or {})}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=full, timeout=timeout,
+                          cwd=REPO)  # fmt: skip
+
+
+def dry_run_steps() -> list:
+    """``[(name, budget, command)]`` as the dry run lists them (``$PYTHON`` / ``$LOGS`` left as written)."""
+    out = session("--dry-run", env={"PYTHON": "/nonexistent/python"})
+    assert out.returncode == 0, out.stderr
+    steps = []
+    for line in out.stdout.splitlines()[1:]:
+        match = re.match(r"^  (\S+)\s+(\d+) s  (.*)$", line)
+        if match:
+            steps.append((match[1], int(match[2]), match[3]))
+    return steps
+
+
+def test_dry_run_lists_every_step_with_its_budget_without_python_or_a_gpu():
+    steps = dry_run_steps()  # PYTHON points nowhere: the dry run is bash only
+    assert [name for name, _, _ in steps] == STEP_NAMES
+    # one device call is at most 600 s: the steps' budgets plus the wheels' install must fit inside it
+    assert sum(budget for _, budget, _ in steps) <= 570
+    assert all(budget >= 15 for _, budget, _ in steps)
+
+
+def test_without_cuda_it_refuses_in_one_line_and_runs_nothing(tmp_path):
+    out = session(env={"PYTHON": sys.executable, "OUT": str(tmp_path / "out")})
+    assert out.returncode == 2
+    assert out.stdout.splitlines() == [out.stdout.strip()]  # one line
+    assert out.stdout.startswith("gpu_session: refusing: no CUDA device visible to torch ")
+    assert "--dry-run lists the steps" in out.stdout and out.stderr == ""
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_torch_it_refuses_in_one_line(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    out = session(env={"PYTHON": str(fake)})
+    assert out.returncode == 2
+    assert out.stdout.strip() == (f"gpu_session: refusing: torch does not import with {fake} (ModuleNotFoundError: "
+                                  "No module named 'torch'); --dry-run lists the steps")  # fmt: skip
+
+
+def test_unknown_argument_is_one_line():
+    out = session("--gpu")
+    assert out.returncode == 2 and out.stdout.strip().startswith("gpu_session: unknown argument --gpu")
+
+
+def test_a_failed_or_timed_out_step_prints_its_first_error_line_and_the_session_goes_on(tmp_path):
+    steps = tmp_path / "steps.txt"
+    steps.write_text(
+        "ok|5|echo hello\n"
+        "fails|5|echo starting; echo 'ValueError: boom' >&2; echo 'RuntimeError: later'; exit 3\n"
+        "slow|3|echo before; echo 'TypeError: late' ; sleep 30\n"
+        "last|5|echo still runs; sleep 2\n"
+        "starved|5|echo never\n"
+    )
+    env = {"GPU_SESSION_STEPS_FILE": str(steps), "GPU_SESSION_ASSUME_CUDA": "1", "GPU_SESSION_MIN_STEP_S": "2",
+           "GPU_SESSION_BUDGET_S": "6", "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}  # fmt: skip
+    out = session(env=env)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 1
+    assert "== ok: ok in 0 s" in lines and "hello" in lines
+    assert any(re.fullmatch(r"== fails: FAILED \(exit 3\) after \d+ s; first error line: ValueError: boom", line)
+               for line in lines)  # fmt: skip
+    assert "== slow: TIMED OUT after 3 s; first error line: TypeError: late" in lines
+    assert "still runs" in lines  # the steps after a failure still run
+    assert "never" not in lines
+    # the session's total budget (6 s) is spent by then: the last step is skipped, not started short
+    assert any(line.startswith("== starved: SKIPPED (session budget spent") for line in lines)
+    assert lines[-1].startswith("gpu_session: done in ") and "3 of 5 steps failed, skipped or timed out" in lines[-1]
+    # what comes back from $OUT: the report and one bundle of the step logs (the device tool brings back 8 files)
+    kept = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert kept == ["gpu_session.log", "step_logs.tgz"]
+    assert (tmp_path / "out" / "gpu_session.log").read_text().splitlines() == lines  # the report, as printed
+
+
+def _argv(command: str) -> list:
+    return shlex.split(command.replace("$LOGS", "/tmp/logs").replace("$PYTHON", "python"))
+
+
+def test_every_python_step_parses_with_the_real_parser(capsys):
+    """Each step's flags, as the session passes them, against the parser of the module it runs."""
+    import benchmarks.bench_memory as bench_memory
+    from benchmarks import bench_real_shape, gpu_steps
+    from openrlhf_lopti.cli import check_gpu
+
+    commands = {name: _argv(command) for name, _, command in dry_run_steps()}
+    for name in ("probe", "loss-head", "trl-steps", "local-steps"):
+        argv = commands[name]
+        assert argv[:3] == ["python", "-m", "benchmarks.gpu_steps"]
+        gpu_steps.build_parser().parse_args(argv[3:])
+    argv = commands["real-shape-0.5b"]
+    assert argv[:3] == ["python", "-m", "benchmarks.bench_real_shape"]
+    args = bench_real_shape.resolve_args(argv[3:])  # every check but the CUDA one, which main makes
+    assert (args.device, args.dtype, args.shape) == ("cuda", "bfloat16", "qwen2.5-0.5b")
+    assert commands["check-gpu"] == ["python", "-m", "openrlhf_lopti", "check-gpu", "--no-bench"]
+    if not __import__("torch").cuda.is_available():
+        assert check_gpu.main(commands["check-gpu"][4:]) == 0  # parses; on CPU one line
+        assert "no CUDA device visible" in capsys.readouterr().out
+    for name in ("lm-head-h896", "lm-head-h4096"):
+        argv = commands[name]
+        assert argv[:2] == ["python", "benchmarks/bench_memory.py"]
+        with pytest.raises(SystemExit) as done:  # --help after the flags: exit 0 only if they all parsed
+            bench_memory.main(argv[2:] + ["--help"])
+        assert done.value.code == 0
+        help_text = capsys.readouterr().out
+        assert all(flag in help_text for flag in argv[2:] if flag.startswith("--"))
+
+
+def test_gpu_steps_refuse_without_cuda_in_one_line(capsys):
+    from benchmarks import gpu_steps
+
+    if __import__("torch").cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    for step in ("loss-head", "trl", "local"):
+        assert gpu_steps.main([step]) == 2
+        assert capsys.readouterr().out.strip().startswith(f"gpu_steps {step}: no CUDA device visible to torch")
+
+
+def test_deepspeed_stand_in_only_when_deepspeed_is_missing(monkeypatch):
+    """OpenRLHF's loss module imports DeepSpeed at its top; the GPU image has none (and no wheel exists to carry).
+    The stand-in is registered only when the import fails, and any use of it raises."""
+    from benchmarks import gpu_steps
+
+    for name in ("deepspeed", "deepspeed.utils"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` now raises ImportError
+    assert gpu_steps.deepspeed_stand_in() is True
+    import deepspeed
+
+    with pytest.raises(RuntimeError, match="import-only stand-in"):
+        deepspeed.utils.set_z3_leaf_modules
+    with pytest.raises(AttributeError):
+        deepspeed.__version__
+    assert gpu_steps.deepspeed_stand_in() is False  # importable now: nothing registered again
