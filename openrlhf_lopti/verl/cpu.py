@@ -27,6 +27,21 @@ import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry, get_platform, set_platform
 
 PLATFORM = "cpu"
+# main_ppo overrides for an actor on the CPU: what runs there (module docstring). reshard_after_forward=false: see
+# tests/verl/harness.py (the same numbers in fp32; the tests' float64 runs need it).
+CPU_OVERRIDES = (
+    "actor_rollout_ref.model.use_remove_padding=false",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+    "++actor_rollout_ref.model.override_config.attn_implementation=eager",
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.actor.use_torch_compile=false",
+    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
+    "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+    "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
+    "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+    "++actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32",
+    "++actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
+)
 
 
 def _zero(*args, **kwargs) -> int:
