@@ -23,6 +23,7 @@ import torch
 
 from openrlhf_lopti.openrlhf.cpu.stubs import install_cpu_stubs
 
+from .run_logs import failure_report
 from .scripts import REPO, script_launch
 
 SCRIPT = REPO / "examples" / "scripts" / "train_kk_grpo_ar_lopti.sh"
@@ -53,7 +54,7 @@ def reward_func(queries, prompts, labels):
 
 def run(cmd: list) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, failure_report(("stderr", result.stderr), ("stdout", result.stdout))
 
 
 def scalars(logdir: Path, tag: str) -> dict:
@@ -236,3 +237,77 @@ def test_is_correction_with_ar_and_lopti_on_vllm_rollout_log_probs(driver, tmp_p
     for tag in ("train/lopti/low_token_frac", "train/ar/mean_weight", "train/lopti/high/policy_loss"):
         assert sorted(scalars(logs, tag)) == [1, 2], tag
     assert len(sync_records(driver)) == 2 and all(not r["unequal"] for r in sync_records(driver))
+
+
+def timed_sync_controller(mark: Path):
+    """``LoptiPPOTrainer`` whose ``broadcast_to_vllm`` first writes the time it began to ``mark`` (once)."""
+    import time
+
+    from openrlhf_lopti.openrlhf.evaluation import LoptiPPOTrainer
+
+    class TimedSyncTrainer(LoptiPPOTrainer.__ray_actor_class__):
+        def broadcast_to_vllm(self):
+            if not mark.exists():
+                mark.write_text(repr(time.time()))
+            super().broadcast_to_vllm()
+
+    import ray
+
+    return ray.remote(TimedSyncTrainer)
+
+
+# How long after the first weight sync began the run must have ended with the planted error (measured: about 5 s).
+SYNC_ERROR_BOUND_S = 60
+
+
+def test_an_error_at_the_weight_sync_ends_the_run_with_its_line_not_a_hang(driver, tmp_path, monkeypatch):
+    """The engines are made to run bf16 under ``--ds.param_dtype fp32`` (the policy sends fp32): the vLLM worker
+    refuses the first weight and the run must end with that line within SYNC_ERROR_BOUND_S of the sync's start.
+    Before, the worker raised before entering the broadcast, the policy's rank 0 waited in it for gloo's 30 minutes
+    and the run with it. A watchdog interrupts the run (and fails the test) if it outlives the bound by a minute."""
+    import _thread
+    import threading
+    import time
+
+    import openrlhf_lopti.openrlhf.cpu.engine as engine
+    import openrlhf_lopti.openrlhf.evaluation as evaluation
+    from openrlhf_lopti.cli.train_ppo_ray import main
+
+    mark = tmp_path / "sync_began"
+    monkeypatch.setattr(evaluation, "LoptiPPOTrainer", timed_sync_controller(mark))
+    monkeypatch.setattr(engine, "engine_dtype", lambda param_dtype: "bfloat16")  # the planted mismatch
+    env = tiny_kk(tmp_path, train_per_n=2)  # 4 prompts: one step, then the first sync
+    one_each = ["--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1", "--vllm.num_engines", "1"]
+    flags = SHRINK + one_each + ["--train.batch_size", "16", "--eval.steps", "-1", "--ckpt.save_steps", "-1",
+                                 "--rollout.max_new_tokens", "8"]  # fmt: skip
+    _, argv = script_launch(SCRIPT, tmp_path / "script", *flags, env=env)
+
+    done = threading.Event()
+
+    def watchdog():
+        while not done.wait(1):
+            if mark.exists() and time.time() - float(mark.read_text()) > SYNC_ERROR_BOUND_S + 60:
+                _thread.interrupt_main()
+                return
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    error, interrupted = None, False
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        interrupted = True
+    except Exception as exc:  # noqa: BLE001 - the run's error is what the test checks
+        error = exc
+    finally:
+        ended = time.time()
+        done.set()
+    if interrupted:
+        pytest.fail(f"the run still waited {SYNC_ERROR_BOUND_S + 60} s after its first weight sync began")
+    assert error is not None, "the run succeeded with the engines in bf16 and the policy in fp32"
+    message = str(error)
+    assert mark.exists(), f"the run ended before its first weight sync:\n{failure_report(message)}"
+    seconds = ended - float(mark.read_text())
+    print(f"the run ended {seconds:.2f} s after the first weight sync began: {type(error).__name__}")
+    line = "--cpu weight sync: the policy sent model.embed_tokens.weight in torch.float32, the engine runs torch.bfloat16"
+    assert line in message, failure_report(message)
+    assert seconds < SYNC_ERROR_BOUND_S

@@ -139,3 +139,44 @@ def test_upstream_weight_sync_reaches_vllm_and_its_kernels(engine, model_dir):
     error = max_logprob_error(model, sample(engine))
     print(f"after the weight sync: max |diff| {error:.2e}")
     assert error < LOGPROB_ATOL
+
+
+def test_a_weight_the_engine_refuses_ends_the_sync_with_its_error_not_a_hang(engine, model_dir):
+    """A weight in another dtype than the engine's (here bf16 into the fp32 engine: what a policy in one dtype and
+    engines in another would send): the worker still receives it, so this process's broadcast (the policy's rank 0)
+    completes, and the worker's TypeError reaches the caller of ``update_weight`` in seconds. Before, the worker raised
+    before entering the broadcast and rank 0 waited in it for gloo's timeout (30 minutes), the whole run with it. Then
+    a correct sync over the same group still works."""
+    import threading
+    import time
+
+    import ray
+
+    from openrlhf_lopti.openrlhf.cpu.sync import gloo_init_process_group
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    joined = engine.init_process_group.remote("127.0.0.1", port, 1, 2, "openrlhf", backend="gloo", use_ray=False)
+    group = gloo_init_process_group("127.0.0.1", port, 0, 2, None)
+    ray.get(joined)
+
+    name, param = next(iter(hf_model(model_dir).named_parameters()))
+    sent = param.detach().to(torch.bfloat16)
+    start = time.monotonic()
+    refused = engine.update_weight.remote(name, dtype=sent.dtype, shape=sent.shape, empty_cache=False)
+    broadcast = threading.Thread(target=group.broadcast, args=(sent,), kwargs={"src": 0}, daemon=True)
+    broadcast.start()
+    broadcast.join(60)
+    assert not broadcast.is_alive(), "the policy's broadcast waits for a worker that refused the weight"
+    with pytest.raises(ray.exceptions.RayTaskError) as error:
+        ray.get(refused, timeout=60)
+    seconds = time.monotonic() - start
+    print(f"refused weight: the error reached the caller in {seconds:.2f} s")
+    # (vLLM's collective_rpc passes the worker's message on, as "Worker failed with error '...'", not its type)
+    assert f"--cpu weight sync: the policy sent {name} in torch.bfloat16, the engine runs torch.float32" in str(error.value)
+
+    value = param.detach().clone()  # the group is still in step: a correct weight goes through
+    received = engine.update_weight.remote(name, dtype=value.dtype, shape=value.shape, empty_cache=True)
+    group.broadcast(value, src=0, stream=None)
+    ray.get(received, timeout=120)

@@ -163,8 +163,11 @@ def init_ray(args: Any) -> None:
     """Connect to ``RAY_ADDRESS`` or start a local Ray with logical GPUs; every worker runs :func:`setup_cpu_worker`."""
     import ray
 
+    from .sync import SYNC_TIMEOUT_ENV
+
+    passed = {k: os.environ[k] for k in (SYNC_TIMEOUT_ENV,) if k in os.environ}  # both ends of the sync read it
     runtime_env = {
-        "env_vars": {**{k: os.environ.get(k, v) for k, v in UPSTREAM_ENV.items()}, **CPU_ENV},
+        "env_vars": {**{k: os.environ.get(k, v) for k, v in UPSTREAM_ENV.items()}, **CPU_ENV, **passed},
         "worker_process_setup_hook": f"{__name__}.setup_cpu_worker",
     }
     if os.environ.get("RAY_ADDRESS"):
@@ -183,7 +186,13 @@ def launch_on_cpu(args: Any) -> None:
     """``openrlhf_lopti.openrlhf.launch.train(args)`` on CPU (see the module docstring)."""
     from functools import partial
 
+    from .sync import sync_timeout
+
     errors, notes = cpu_settings(args)
+    try:
+        sync_timeout()  # read again in every process of the sync: a bad value fails here, not in a Ray actor
+    except ValueError as exc:
+        errors.append(str(exc))
     errors = errors or check_model_is_dense(args) or check_model_head_size(args)
     if errors:
         raise SystemExit("\n".join(f"--cpu: {error}" for error in errors))

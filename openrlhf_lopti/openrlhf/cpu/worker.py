@@ -69,13 +69,18 @@ class CPUWorkerWrap(WorkerWrap):
 
     def update_weight(self, name, dtype, shape, empty_cache=False):
         """Receive parameter ``name`` from the policy's rank 0 (upstream's ``broadcast_to_vllm``) and load it;
-        after the last one (upstream's ``empty_cache=True``), repack the linear layers."""
+        after the last one (upstream's ``empty_cache=True``), repack the linear layers.
+
+        The tensor is received as the sender describes it (``name``, ``dtype``, ``shape`` are rank 0's own) before
+        anything is checked: a weight this engine refuses (another dtype, a name or shape vLLM does not load) raises
+        here after the broadcast has completed on every rank, so the policy's rank 0 gets the error from its
+        ``ray.get`` on this call instead of waiting in a broadcast this worker never entered."""
+        weight = torch.empty(shape, dtype=dtype, device=self.device)
+        self._model_update_group.broadcast(weight, src=0)
         if dtype != self.model_config.dtype:
             raise TypeError(
                 f"--cpu weight sync: the policy sent {name} in {dtype}, the engine runs {self.model_config.dtype}"
             )
-        weight = torch.empty(shape, dtype=dtype, device=self.device)
-        self._model_update_group.broadcast(weight, src=0)
         self.model_runner.model.load_weights(weights=[(name, weight)])
         if empty_cache:
             repack_linear_layers(self.model_runner.model)

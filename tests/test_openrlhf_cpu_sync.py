@@ -1,0 +1,114 @@
+"""The ``--cpu`` weight-sync group (:class:`StatelessGlooGroup`): a peer that never comes ends the wait within
+``OPENRLHF_LOPTI_CPU_SYNC_TIMEOUT`` seconds with an error naming it, instead of gloo's 30 minutes.
+
+Two ranks of a real gloo group in threads of this process (gloo's TCP transport, as between a policy rank and a vLLM
+worker); the waits are bounded by the test too, so a regression fails here in seconds rather than hanging the suite.
+What this cannot show: that Ray then ends the run (tests/test_openrlhf_cpu_pipeline.py plants an error at a real
+sync and times the run's end) or that a vLLM worker refusing a weight still completes the broadcast
+(tests/test_openrlhf_cpu_vllm.py).
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from openrlhf_lopti.openrlhf.cpu.sync import SYNC_TIMEOUT_ENV, StatelessGlooGroup, sync_timeout
+
+from .ds_ranks import free_port
+
+TIMEOUT_S = 3
+BOUND_S = 30  # the test's own limit on each wait (gloo's old default was 30 minutes)
+
+
+def start(fn, *args) -> tuple:
+    """``fn(*args)`` in a daemon thread; :func:`finish` waits for it."""
+    out = {}
+
+    def body():
+        begin = time.monotonic()
+        try:
+            out["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+        out["seconds"] = time.monotonic() - begin
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def finish(started: tuple) -> dict:
+    """Wait at most BOUND_S for a :func:`start` ed call; ``{"value" | "error", "seconds", "finished"}``."""
+    thread, out = started
+    thread.join(BOUND_S)
+    return {**out, "finished": not thread.is_alive()}
+
+
+def in_thread(fn, *args) -> dict:
+    return finish(start(fn, *args))
+
+
+def pair(port: int) -> tuple:
+    """Rank 0 (the policy's) and rank 1 (a vLLM worker's) of one group."""
+    ranks = [finish(call) for call in [start(StatelessGlooGroup, "127.0.0.1", port, rank, 2) for rank in (0, 1)]]
+    assert all(r["finished"] and "value" in r for r in ranks), ranks
+    return ranks[0]["value"], ranks[1]["value"]
+
+
+def test_the_timeout_is_a_minute_unless_set(monkeypatch):
+    monkeypatch.delenv(SYNC_TIMEOUT_ENV, raising=False)
+    assert sync_timeout().total_seconds() == 60
+    monkeypatch.setenv(SYNC_TIMEOUT_ENV, "2.5")
+    assert sync_timeout().total_seconds() == 2.5
+    for bad in ("0", "-1", "x", "inf", "nan"):
+        monkeypatch.setenv(SYNC_TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=f"{SYNC_TIMEOUT_ENV}='{bad}': must be a number of seconds > 0"):
+            sync_timeout()
+
+
+def test_a_broadcast_whose_peer_never_enters_it_fails_within_the_timeout(monkeypatch):
+    monkeypatch.setenv(SYNC_TIMEOUT_ENV, str(TIMEOUT_S))
+    policy, engine = pair(free_port())
+    ok = torch.arange(6.0)
+    received = torch.zeros(6)
+    both = [finish(call) for call in [start(policy.broadcast, ok, 0), start(engine.broadcast, received, 0)]]
+    assert all(r["finished"] and "error" not in r for r in both) and torch.equal(received, ok)  # the group works
+
+    alone = in_thread(policy.broadcast, torch.ones(2, 3), 0)  # the engine failed before its broadcast
+    assert alone["finished"], "the policy's broadcast still waits after 30 s (gloo's default: 30 minutes)"
+    message = str(alone["error"])
+    assert isinstance(alone["error"], RuntimeError) and TIMEOUT_S - 1 < alone["seconds"] < TIMEOUT_S + 10
+    assert message.startswith("--cpu weight sync: rank 0's broadcast of a (2, 3) torch.float32 tensor from rank 0 ")
+    assert f"did not complete (a peer failed, left, or did not come within {TIMEOUT_S} s, {SYNC_TIMEOUT_ENV}): " in message
+
+
+def test_a_group_whose_peer_never_joins_fails_within_the_timeout(monkeypatch):
+    monkeypatch.setenv(SYNC_TIMEOUT_ENV, str(TIMEOUT_S))
+    port = free_port()
+    alone = in_thread(StatelessGlooGroup, "127.0.0.1", port, 0, 2)  # an engine that never joined
+    assert alone["finished"], "rank 0 still waits for its peer after 30 s"
+    assert isinstance(alone["error"], RuntimeError) and alone["seconds"] < TIMEOUT_S + 10
+    assert str(alone["error"]).startswith(f"--cpu weight sync: rank 0 of 2 could not form the gloo group at 127.0.0.1:{port} within {TIMEOUT_S} s, {SYNC_TIMEOUT_ENV}: ")
+
+
+def _join_then_exit(port: int) -> None:
+    import os
+
+    StatelessGlooGroup("127.0.0.1", port, 1, 2)
+    os._exit(1)  # an engine process that dies after joining the group
+
+
+def test_a_broadcast_whose_peer_process_died_fails_at_once(monkeypatch):
+    import multiprocessing
+
+    monkeypatch.setenv(SYNC_TIMEOUT_ENV, "20")
+    port = free_port()
+    peer = multiprocessing.get_context("spawn").Process(target=_join_then_exit, args=(port,))
+    peer.start()
+    policy = StatelessGlooGroup("127.0.0.1", port, 0, 2)
+    peer.join(BOUND_S)
+    alone = in_thread(policy.broadcast, torch.ones(3), 0)
+    assert alone["finished"] and alone["seconds"] < 10, alone  # gloo sees the closed connection, no timeout needed
+    assert "did not complete" in str(alone["error"]) and "Connection closed by peer" in str(alone["error"])
