@@ -22,6 +22,9 @@ ERROR_LINE = re.compile(
 )
 # Frames of a traceback kept before its exception line.
 TRACEBACK_FRAMES = 6
+# Tracebacks that are not the run's error: multiprocessing's resource tracker in every vLLM worker's stderr when its
+# shared memory was already released ("KeyError: '/psm_...'").
+NOISE = ("multiprocessing/resource_tracker.py",)
 
 Source = Union[str, Path, Tuple[str, Union[str, Path]]]
 
@@ -40,32 +43,75 @@ def _text(source: Union[str, Path]) -> Optional[str]:
 RAY_PREFIX = re.compile(r"^(\x1b\[[\d;]*m)?\([^()]*\bpid=\d+[^()]*\)(\x1b\[[\d;]*m)? ?")
 
 
+# The line that ends a traceback: ``ValueError: ...``, ``ray.exceptions.RayTaskError(ValueError): ...``, ``KeyError``.
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(\([\w.]+\))?(:\s|:?$)")
+CHAIN_LINE = ("Traceback (most recent call last)", "During handling of the above exception", "The above exception")
+
+
+def _bare(line: str) -> str:
+    return RAY_PREFIX.sub("", line)
+
+
+def _continues(line: str) -> bool:
+    """Whether ``line``, right after an exception line, carries the traceback on: an indented line (the remote
+    traceback Ray appends to a ``RayTaskError``, a message's continuation) or a chain's ``During handling ...`` (a new
+    ``Traceback`` header alone starts another one)."""
+    bare = _bare(line)
+    return bare[:1].isspace() or bare.startswith(CHAIN_LINE[1:])
+
+
+# How far past an exception line a continued traceback may run before that line is taken as its end.
+CONTINUATION_LINES = 300
+
+
 def _traceback_end(lines: List[str], start: int) -> int:
-    """Index of the exception line that ends the traceback starting at ``lines[start]`` (the header)."""
-    for i in range(start + 1, len(lines)):
-        line = RAY_PREFIX.sub("", lines[i])
-        if not line.strip() or line[:1].isspace() or line.startswith("Traceback") or line.startswith("During handling"):
+    """Index of the exception line that ends the traceback whose header is ``lines[start]``: the last one of a chain
+    (``During handling ...``) or of a remote traceback Ray appends after its ``RayTaskError(...)`` line. Lines of
+    other processes interleaved with it (not indented, not an exception line) are passed over."""
+    end = None
+    i = start + 1
+    while i < len(lines):
+        if end is not None and i - end > CONTINUATION_LINES:
+            return end
+        bare = _bare(lines[i])
+        if not bare.strip() or bare[:1].isspace() or bare.startswith(CHAIN_LINE) or not EXCEPTION_LINE.match(bare):
+            i += 1
             continue
-        if line.startswith(("The above exception", "[")) and not ERROR_LINE.search(line):
+        end = i
+        j = i + 1
+        while j < len(lines) and not _bare(lines[j]).strip():
+            j += 1
+        if j < len(lines) and _continues(lines[j]):
+            i = j
             continue
-        return i
-    return len(lines) - 1
+        return end
+    return end if end is not None else len(lines) - 1
 
 
 def first_error_in(text: str, context: int = 2) -> Optional[Tuple[int, str]]:
     """``(line number, excerpt)`` of the first error in ``text``, or None. The excerpt has ``context`` lines before
-    it; a traceback is given from its header to its exception line (its last TRACEBACK_FRAMES lines of frames)."""
+    it; a traceback is given from its header to its (last) exception line, with its last TRACEBACK_FRAMES frames and
+    the exception lines of a chain."""
     lines = [line.rstrip() for line in text.splitlines()]
-    for i, line in enumerate(lines):
+    i = -1
+    while i + 1 < len(lines):
+        i += 1
+        line = lines[i]
         if not ERROR_LINE.search(line):
             continue
         start = max(0, i - context)
         if "Traceback (most recent call last)" in line:
             end = _traceback_end(lines, i)
-            frames = lines[i + 1 : end]
-            if len(frames) > 2 * TRACEBACK_FRAMES:
-                frames = [f"  ... {len(frames) - 2 * TRACEBACK_FRAMES} lines of frames ..."] + frames[-2 * TRACEBACK_FRAMES :]
-            excerpt = lines[start : i + 1] + frames + [lines[end]]
+            if any(noise in "\n".join(lines[i : end + 1]) for noise in NOISE):
+                i = end
+                continue
+            body = lines[i + 1 : end]
+            keep = 2 * TRACEBACK_FRAMES
+            if len(body) > keep:  # frames cut, the chain's exception and header lines kept
+                cut = [line for line in body[:-keep] if not _bare(line)[:1].isspace() and _bare(line).strip()]
+                cut = [line for line in cut if EXCEPTION_LINE.match(_bare(line)) or _bare(line).startswith(CHAIN_LINE)]
+                body = [f"  ... {len(body) - keep} lines of frames ..."] + cut + body[-keep:]
+            excerpt = lines[start : i + 1] + body + [lines[end]]
         else:
             excerpt = lines[start : i + context + 1]
         return i + 1, "\n".join(excerpt)
@@ -87,11 +133,15 @@ def first_errors(*sources: Source, most: int = 3, context: int = 2) -> str:
 
     A source is a text (``"output N"``), a :class:`Path` (a file; unreadable ones are skipped) or a ``(label,
     text or path)`` pair. Returns ``""`` when no source has an error line."""
-    found = []
+    found, seen = [], set()
     for label, source in _labelled(sources):
         text = _text(source)
         hit = first_error_in(text, context) if text else None
         if hit is not None:
+            last = _bare(hit[1].splitlines()[-1]).strip()
+            if last in seen:  # the same error again (Ray's job output is also its driver's log file)
+                continue
+            seen.add(last)
             found.append(f"--- first error in {label}, line {hit[0]}:\n{hit[1]}")
             if len(found) == most:
                 break

@@ -5,6 +5,8 @@ import stat
 import subprocess
 from pathlib import Path
 
+from .run_logs import failure_report
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((REPO / "examples" / "scripts").glob("*.sh"))
 MODULE = "openrlhf_lopti.cli.train_ppo_ray"
@@ -45,7 +47,7 @@ def script_launch(script: Path, tmp_path: Path, *args: str, env: dict = None) ->
     result = subprocess.run(
         ["bash", str(script), *role, *args], env=full_env, capture_output=True, text=True, timeout=60
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, failure_report(("stderr", result.stderr), ("stdout", result.stdout))
     calls = [path.read_bytes().split(b"\0")[:-1] for path in sorted(argv_dir.iterdir())]
     calls = [[arg.decode() for arg in call] for call in calls]
     launches = [call for call in calls if MODULE in call]

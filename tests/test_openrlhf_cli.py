@@ -13,6 +13,7 @@ from openrlhf_lopti.cli import train_ppo_ray as cli
 from openrlhf_lopti.openrlhf.cpu.stubs import STUB_MARKER
 from openrlhf_lopti.openrlhf.flags import check_config, fused_backend, lopti_config
 
+from .run_logs import failure_report
 from .scripts import MODULE, REPO, SCRIPTS, script_launch
 # The least a valid upstream invocation needs (no reward model: the remote reward file stands in).
 BASE = ["--actor.model_name_or_path", "m", "--reward.remote_url", "reward.py"]
@@ -27,7 +28,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_help_lists_upstream_and_our_flags_without_the_gpu_stack():
     result = run_cli("--help")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, failure_report(result.stderr, result.stdout)
     for flag in ("--actor.policy_loss_type", "--algo.advantage.estimator", "--vllm.num_engines"):  # upstream
         assert flag in result.stdout
     for flag in ("--algo.ar.alpha", "--algo.lopti.eta", "--algo.lopti.order", "--algo.lopti.quantile",
@@ -37,7 +38,7 @@ def test_help_lists_upstream_and_our_flags_without_the_gpu_stack():
 
 def test_bad_value_of_our_flag_exits_2_with_the_flag_named():
     result = run_cli(*BASE, "--algo.lopti.eta", "1.5")
-    assert result.returncode == 2
+    assert result.returncode == 2, failure_report(result.stderr, result.stdout)
     assert "argument --algo.lopti.eta: eta must be a probability threshold in (0, 1], got 1.5" in result.stderr
 
 
@@ -45,8 +46,8 @@ def test_launch_without_the_gpu_stack_says_so():
     if importlib.util.find_spec("flash_attn") is not None and not getattr(sys.modules.get("flash_attn"), STUB_MARKER, False):
         pytest.skip("real flash-attn installed (GPU install): the same command would start Ray")
     result = run_cli(*BASE, "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2")
-    assert result.returncode != 0
-    assert "launching needs OpenRLHF's GPU stack" in result.stderr and "flash_attn" in result.stderr  # vLLM is here
+    assert result.returncode != 0, failure_report(result.stderr, result.stdout)
+    assert "launching needs OpenRLHF's GPU stack" in result.stderr and "flash_attn" in result.stderr, failure_report(result.stderr)  # vLLM is here
 
 
 @pytest.mark.parametrize(

@@ -144,6 +144,7 @@ def test_the_cli_refuses_a_moe_model_in_one_line_within_seconds(tmp_path):
     import sys
     import time
 
+    from .run_logs import failure_report
     from .scripts import REPO
 
     model = tiny_mixtral(tmp_path / "mixtral")
@@ -154,7 +155,7 @@ def test_the_cli_refuses_a_moe_model_in_one_line_within_seconds(tmp_path):
     )  # fmt: skip
     seconds = time.monotonic() - start
     print(f"refused in {seconds:.1f} s")
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 1, failure_report(result.stderr, result.stdout)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith(f"--cpu: --actor.model_name_or_path {model}: a mixture-of-experts model"), result.stderr
     assert "Traceback" not in result.stderr and "ray" not in result.stderr.lower().replace("array", "")

@@ -69,3 +69,86 @@ def test_ray_log_files_lists_each_session_once_most_telling_first(tmp_path):
     names = [p.name for p in ray_log_files(tmp_path)]
     assert names == ["job-driver-raysubmit_1.log", "worker-abc-01000000-7.err", "raylet.out", "gcs_server.out"]
     assert ray_log_files(Path(tmp_path / "absent")) == []
+
+
+# What a Ray job's driver prints when an actor's call failed (the shape of the multi-node job's output with an error
+# planted in the reward function): the driver's traceback ends in a RayTaskError line, then Ray appends the remote
+# traceback, itself a chain, whose last line is the cause.
+RAY_TASK_ERROR = """\
+(LoptiPPOTrainer pid=4613) Generate samples:  50%|#####     | 2/4
+Traceback (most recent call last):
+  File "train_ppo_ray.py", line 9, in train
+    ray.get(ppo_trainer.fit.remote())
+Generate samples: 100%|##########| 4/4
+  File "ray/_private/worker.py", line 1023, in get_objects
+    raise value.as_instanceof_cause()
+ray.exceptions.RayTaskError(ValueError): ray::LoptiPPOTrainer.fit() (pid=4613, ip=192.0.2.2)
+  File "ppo_trainer.py", line 230, in fit
+    self.experience_maker.make_experience()
+  File "experience_maker.py", line 88, in rewards
+    return ray.get(refs)
+ray.exceptions.RayTaskError(ValueError): ray::reward_fn() (pid=4700, ip=192.0.2.2)
+  File "reward.py", line 3, in reward_func
+    raise ValueError("planted: the reward function failed")
+ValueError: planted: the reward function failed
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "x.py", line 1, in <module>
+RuntimeError: the reward could not be computed
+2026-11-25 10:00:09,000 INFO -- shutting down
+Traceback (most recent call last):
+  File "other.py", line 1, in <module>
+KeyError: 'later, elsewhere'
+"""
+
+
+def test_a_remote_ray_traceback_is_followed_to_its_cause_and_its_chain():
+    line, excerpt = first_error_in(RAY_TASK_ERROR, context=0)
+    lines = excerpt.splitlines()
+    assert line == 2 and lines[0] == "Traceback (most recent call last):"
+    assert lines[-1] == "RuntimeError: the reward could not be computed"  # the chain's last exception
+    assert "ValueError: planted: the reward function failed" in lines  # the remote cause
+    assert "KeyError" not in excerpt and "shutting down" not in excerpt  # a later traceback is another error
+    long = RAY_TASK_ERROR.replace('  File "experience_maker.py"', '  File "f.py", line 1, in g\n' * 20 + '  File "experience_maker.py"')
+    lines = first_error_in(long, context=0)[1].splitlines()
+    assert any("lines of frames ..." in x for x in lines) and len(lines) < 25
+    assert lines[-1] == "RuntimeError: the reward could not be computed"
+    # the exception lines of the frames cut are kept, in order
+    assert [x for x in lines if x.startswith("ray.exceptions")][0].startswith("ray.exceptions.RayTaskError(ValueError): ray::LoptiPPOTrainer.fit()")
+
+
+def test_the_same_error_in_two_sources_is_given_once(tmp_path):
+    log = tmp_path / "job-driver-raysubmit_1.log"
+    log.write_text(RAY_TASK_ERROR)
+    report = first_errors(("job output", RAY_TASK_ERROR), log, ("worker.err", "KeyError: '/psm_1'\n"))
+    assert report.count("--- first error in") == 2 and str(log) not in report
+
+
+def test_rays_real_remote_traceback_and_resource_tracker_noise():
+    # Ray 2.55's format: the RayTaskError line, then the remote frames with their caret lines, then the cause
+    text = """\
+Traceback (most recent call last):
+  File "train.py", line 9, in train
+    ray.get(ppo_trainer.fit.remote())
+ray.exceptions.RayTaskError(ValueError): \x1b[36mray::LoptiPPOTrainer.fit()\x1b[39m (pid=7391, ip=192.0.2.2)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "experience_maker.py", line 142, in make_experience
+    raise ValueError("reward_model_group is required when rewards are not precomputed")
+ValueError: reward_model_group is required when rewards are not precomputed
+\x1b[36m(LoptiPPOTrainer pid=7391)\x1b[0m Episode [1/1]:   0%|          | 0/8
+"""
+    assert first_error_in(text)[1].splitlines()[-1] == "ValueError: reward_model_group is required when rewards are not precomputed"
+    worker_err = """\
+/usr/lib/python3.11/multiprocessing/resource_tracker.py:123: UserWarning: resource_tracker: process died unexpectedly
+Traceback (most recent call last):
+  File "/usr/lib/python3.11/multiprocessing/resource_tracker.py", line 239, in main
+    cache[rtype].remove(name)
+KeyError: '/psm_ff9d1d02'
+Traceback (most recent call last):
+  File "worker.py", line 5, in update_weight
+TypeError: --cpu weight sync: the policy sent w in torch.float32, the engine runs torch.bfloat16
+"""
+    line, excerpt = first_error_in(worker_err, context=0)
+    assert line == 6 and excerpt.splitlines()[-1].startswith("TypeError: --cpu weight sync")
