@@ -18,13 +18,13 @@ SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # command -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS = {
-    "demo": ("openrlhf_lopti.local.demo", "tiny model, warm-up, then GRPO / +AR / +Lopti / +AR+Lopti side by side"),
+    "demo": ("openrlhf_lopti.demo.run", "tiny model, warm-up, then GRPO / +AR / +Lopti / +AR+Lopti side by side"),
     "train": ("openrlhf_lopti.local.cli", "one-process GRPO / REINFORCE++ trainer with AR and Lopti"),
     "audit": ("openrlhf_lopti.audit.cli", "token-probability diagnostics (paper Fig. 1d and Fig. 3)"),
     "study": ("openrlhf_lopti.audit.study", "seeds x methods on one setting, with 95% confidence intervals"),
     "eval": ("openrlhf_lopti.tasks.evaluate", "accuracy of generations per K&K size / math benchmark"),
     "data": ("openrlhf_lopti.tasks.data", "write OpenRLHF prompt datasets (K&K, math)"),
-    "tiny-model": ("openrlhf_lopti.local.tiny_model", "a random tiny Llama + K&K tokenizer (HF format) for dry runs"),
+    "tiny-model": ("openrlhf_lopti.demo.tiny_model", "a random tiny Llama + K&K tokenizer (HF format) for dry runs"),
     "bench": ("openrlhf_lopti.cli.bench_loss_head", "benchmark the fused policy loss against OpenRLHF's path"),
     "bench-step": ("benchmarks.bench_train_step", "whole RL steps: GRPO / AR / Lopti, both trainers, every loss path"),
     "check-gpu": ("openrlhf_lopti.cli.check_gpu", "self-check the Triton kernel on this GPU + loss-head benchmark: a report"),

@@ -10,7 +10,6 @@ Nothing here imports torch, transformers or the rest of the package: every layer
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
 DEBUG_FLAG = "--debug"
@@ -48,28 +47,3 @@ def run_command(prog: str, main: Callable[[list], Optional[int]], argv: list) ->
         print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
 
-
-# Files that make a folder a Hugging Face checkpoint that AutoModelForCausalLM / AutoTokenizer can load.
-_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.index.json")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def check_model_dir(path: str, flag: str = "--model") -> Path:
-    """``path`` as a ``Path`` if it is a local Hugging Face checkpoint folder, else a :class:`UserError`
-    naming ``flag`` and the files it lacks (instead of transformers' advice to install sentencepiece)."""
-    folder = Path(path)
-    hint = "pass a folder written by save_pretrained (model and tokenizer), e.g. runs/demo-<timestamp>/warmup_model"
-    if not folder.exists():
-        raise UserError(f"{flag} {path}: no such folder; {hint}")
-    if not folder.is_dir():
-        raise UserError(f"{flag} {path}: is a file, not a folder; {hint}")
-    missing = []
-    if not (folder / "config.json").is_file():
-        missing.append("config.json")
-    if not any(any(folder.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
-        missing.append("weights (*.safetensors or *.bin)")
-    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
-        missing.append("tokenizer (tokenizer.json or tokenizer_config.json)")
-    if missing:
-        raise UserError(f"{flag} {path}: not a Hugging Face checkpoint, it has no {', '.join(missing)}; {hint}")
-    return folder

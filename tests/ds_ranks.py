@@ -31,7 +31,7 @@ def free_port() -> int:
 
 def make_tiny_model(path: Path) -> Path:
     """The ``tiny-model`` checkpoint (random Llama + K&K tokenizer), small enough for many ranks on 2 cores."""
-    from openrlhf_lopti.local.tiny_model import build_tiny_model
+    from openrlhf_lopti.demo.tiny_model import build_tiny_model
 
     model, tokenizer = build_tiny_model(hidden_size=32, num_layers=1, num_heads=2, vocab_size=300, max_positions=64)
     model.save_pretrained(path)

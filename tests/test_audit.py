@@ -9,19 +9,22 @@ import pytest
 import torch
 
 from openrlhf_lopti.__main__ import main as cli_main
+from openrlhf_lopti.algo.direction import DIRECTION_EDGES, direction_bins, direction_counts, direction_metrics
 from openrlhf_lopti.audit.measure import (
     bin_edges,
     bin_index,
     correct_direction,
+    direction_shares,
     logit_grad_norms,
     make_optimizer,
     param_grad_norms,
     per_bin_mean,
 )
 from openrlhf_lopti.audit.report import format_table
+from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer
 from openrlhf_lopti.local.config import METHODS, TrainConfig
 from openrlhf_lopti.local.experience import Experience
-from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer, save_model
+from openrlhf_lopti.local.model import save_model
 from openrlhf_lopti.local.rollout import generate_rollouts, response_logits, response_logprobs
 from openrlhf_lopti.local.trainer import LocalTrainer
 from openrlhf_lopti.local.task import compact_prompt, puzzles
@@ -56,15 +59,42 @@ def setup():
 
 
 def test_bins():
-    p = torch.tensor([0.0, 0.1, 0.25, 0.49, 0.5, 0.74, 0.75, 1.0])
-    assert bin_index(p, bin_edges(p)).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    """The audit bins tokens by their log-probs with algo.direction's edges and function (one source of truth)."""
+    p = torch.tensor([0.0, 0.1, 0.25, 0.49, 0.5, 0.74, 0.75, 1.0], dtype=torch.float64)
+    assert bin_edges(p.log()) == list(DIRECTION_EDGES)
+    assert bin_index(p.log(), bin_edges(p.log())).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    # The boundary rule is algo's: p = exp(log-prob) in float64, bins [e_k, e_{k+1}). The audit used to bin
+    # p = exp(log-prob) in the log-prob's dtype: a float32 log-prob of 0.25 gave p == 0.25 exactly (Q2); in float64
+    # it is 0.2499999990 (Q1), as algo.direction_bins (and so the trainers' direction/* metrics) bins it.
+    assert bin_index(torch.tensor([0.25]).log(), list(DIRECTION_EDGES)).tolist() == [0]
+    logp = torch.cat([torch.rand(500).log(), torch.tensor([0.25, 0.5, 0.75, 1.0]).log(), torch.tensor([1e-7])])
+    assert torch.equal(bin_index(logp, bin_edges(logp)), direction_bins(logp))
     q = torch.rand(400)
-    counts = torch.bincount(bin_index(q, bin_edges(q, "quantile")), minlength=4)
+    counts = torch.bincount(bin_index(q.log(), bin_edges(q.log(), "quantile")), minlength=4)
     assert counts.tolist() == [100] * 4
+    # other edges follow the same rule: [e_k, e_{k+1}), the last bin closed and taking p a hair above 1
+    edges = [0.0, 0.2, 0.4, 0.6, 1.0]
+    at = torch.tensor([0.0, 0.2, 0.4, 0.6, 1.0], dtype=torch.float64).log()
+    assert bin_index(torch.cat([at, torch.tensor([1e-7], dtype=torch.float64)]), edges).tolist() == [0, 1, 2, 3, 3, 3]
     means = per_bin_mean(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 2]), torch.tensor([True, True, False]))
     assert means[0] == 2.0 and all(math.isnan(v) for v in means[1:])  # empty bins are NaN, not 0
     with pytest.raises(ValueError, match="bins"):
-        bin_edges(p, "deciles")
+        bin_edges(p.log(), "deciles")
+
+
+def test_direction_shares_are_algo_directions_shares():
+    """On the fixed bins the audit's "rose" shares are algo.direction's ``direction/pos_up_qk``; a bin without a
+    positive-advantage token has none (NaN here, where algo leaves the key out), an unchanged log-prob is not up."""
+    generator = torch.Generator().manual_seed(0)
+    old = torch.rand(300, generator=generator).log()
+    new = old + torch.randn(300, generator=generator) * 0.1 * (torch.rand(300, generator=generator) > 0.2)
+    adv = torch.randn(300, generator=generator)
+    metrics = direction_metrics(direction_counts(old, new, adv))
+    shares = direction_shares(direction_bins(old), new - old, adv)
+    assert shares == [metrics[f"direction/pos_up_q{k}"] for k in range(1, 5)]
+    bins, delta = torch.tensor([0, 0, 2, 3]), torch.tensor([1.0, 0.0, -1.0, 2.0])
+    shares = direction_shares(bins, delta, torch.tensor([1.0, 1.0, 1.0, -1.0]))
+    assert shares[0] == 0.5 and shares[2] == 0.0 and math.isnan(shares[1]) and math.isnan(shares[3])
 
 
 def test_logit_grad_norm_is_autograd_and_matches_the_closed_form(setup, monkeypatch):
@@ -126,8 +156,8 @@ def test_param_grad_norm_matches_a_single_token_backward(setup, monkeypatch):
 def test_correct_direction_leaves_the_model_alone(setup):
     model, _, exp, cfg = setup
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    probs = exp.old_log_probs[exp.rollout.action_mask].exp()
-    bins = bin_index(probs, bin_edges(probs))
+    old_log_probs = exp.old_log_probs[exp.rollout.action_mask]
+    bins = bin_index(old_log_probs, bin_edges(old_log_probs))
     fractions, deltas = correct_direction(model, exp, cfg, bins, list(METHODS), optimizer="sgd")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert set(fractions) == set(METHODS) and all(len(v) == 4 for v in fractions.values())

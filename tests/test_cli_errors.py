@@ -12,9 +12,10 @@ import sys
 import pytest
 
 from openrlhf_lopti.__main__ import main as cli_main
-from openrlhf_lopti.local.demo import DEMO_OUTPUTS
-from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer, save_model
-from openrlhf_lopti.outputs import prepare_out_dir
+from openrlhf_lopti.demo.run import DEMO_OUTPUTS
+from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer
+from openrlhf_lopti.local.model import save_model
+from openrlhf_lopti.runs import prepare_out_dir
 from openrlhf_lopti.tasks import kk
 
 MODEL_HINT = "pass a folder written by save_pretrained (model and tokenizer), e.g. runs/demo-<timestamp>/warmup_model"

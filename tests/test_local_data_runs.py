@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from openrlhf_lopti.__main__ import main as cli_main
+from openrlhf_lopti.demo.tiny_model import build_tiny_model
 from openrlhf_lopti.local.checkpoint import load_checkpoint
 from openrlhf_lopti.local.config import TrainConfig
 from openrlhf_lopti.local.dataset import step_indices
 from openrlhf_lopti.local.model import save_model
 from openrlhf_lopti.local.plots import panels_for
-from openrlhf_lopti.local.tiny_model import build_tiny_model
-from openrlhf_lopti.local.trainer import LocalTrainer, read_metrics
+from openrlhf_lopti.local.trainer import LocalTrainer
+from openrlhf_lopti.runs import read_metrics
 from openrlhf_lopti.tasks import reward_kk, reward_math
 
 TINY = ["--prompts-per-step", "2", "--n-samples", "2", "--max-new-tokens", "6", "--mini-batch-size", "4",
@@ -223,8 +224,8 @@ def test_resume_on_a_dataset_run_continues_exactly(model_dir, tmp_path):
 def test_kk_default_with_reward_kk_file_scores_as_the_built_in_rule(tmp_path):
     """No --data: generated K&K puzzles. Scored through tasks/reward_kk.py (queries decoded as OpenRLHF does)
     the run's rewards equal the built-in paper rule's, step by step."""
-    from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer
-    from openrlhf_lopti.local.warmup import supervised_warmup
+    from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer
+    from openrlhf_lopti.demo.warmup import supervised_warmup
 
     tok = build_word_tokenizer()
     model = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, seed=0)

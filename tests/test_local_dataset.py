@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from openrlhf_lopti.demo.tiny_model import build_kk_tokenizer
 from openrlhf_lopti.errors import UserError
 from openrlhf_lopti.local.dataset import epochs_done, load_prompt_set, step_indices
-from openrlhf_lopti.local.tiny_model import build_kk_tokenizer
 
 ROWS = [
     {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}], "label": "2",

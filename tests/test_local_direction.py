@@ -5,15 +5,16 @@ import copy
 import pytest
 import torch
 
+from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer
+from openrlhf_lopti.demo.warmup import supervised_warmup
 from openrlhf_lopti.local.cli import build_parser, config_from_args
 from openrlhf_lopti.local.config import TrainConfig
 from openrlhf_lopti.local import experience as experience_module
 from openrlhf_lopti.local.experience import make_experience
-from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer, save_model
+from openrlhf_lopti.local.model import save_model
 from openrlhf_lopti.local.rollout import response_logits
 from openrlhf_lopti.local.task import train_puzzles
 from openrlhf_lopti.local.trainer import LocalTrainer
-from openrlhf_lopti.local.warmup import supervised_warmup
 
 
 @pytest.fixture(scope="module")

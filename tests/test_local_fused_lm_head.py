@@ -10,13 +10,14 @@ import torch
 
 import openrlhf_lopti.local.experience as experience_module
 from openrlhf_lopti.algo import token_logprobs
+from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer
 from openrlhf_lopti.local.cli import build_parser, config_from_args
 from openrlhf_lopti.local.config import TrainConfig
 from openrlhf_lopti.local.experience import Experience, make_experience
-from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer, lm_head_parts
 from openrlhf_lopti.local.rollout import generate_rollouts, response_logprobs
 from openrlhf_lopti.local.task import compact_prompt, puzzles
 from openrlhf_lopti.local.update import update_policy
+from openrlhf_lopti.models import lm_head_parts
 from openrlhf_lopti.ops.cpp_policy_loss import cpp_available
 
 from .kernel_cases import allow_float64_logits

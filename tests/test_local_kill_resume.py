@@ -9,10 +9,11 @@ import time
 
 import torch
 
+from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer
+from openrlhf_lopti.demo.warmup import supervised_warmup
 from openrlhf_lopti.local.checkpoint import CHECKPOINT_FILE, load_checkpoint
-from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer, save_model
-from openrlhf_lopti.local.trainer import read_metrics
-from openrlhf_lopti.local.warmup import supervised_warmup
+from openrlhf_lopti.local.model import save_model
+from openrlhf_lopti.runs import read_metrics
 
 
 def train_command(*args):

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from openrlhf_lopti.demo.tiny_model import build_tiny_model
 from openrlhf_lopti.errors import UserError
 from openrlhf_lopti.local.reward import RewardFile, batch_means, queries_of
 from openrlhf_lopti.local.rollout import generate_rollouts
-from openrlhf_lopti.local.tiny_model import build_tiny_model
 
 RECORDER = '''
 SEEN = []

@@ -2,8 +2,8 @@
 
 import pytest
 
+from openrlhf_lopti.demo.tiny_model import build_word_tokenizer
 from openrlhf_lopti.local import task
-from openrlhf_lopti.local.model import build_word_tokenizer
 from openrlhf_lopti.tasks import kk
 
 

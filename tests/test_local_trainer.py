@@ -5,14 +5,16 @@ import json
 import pytest
 import torch
 
+from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer
+from openrlhf_lopti.demo.warmup import supervised_warmup
 from openrlhf_lopti.local.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from openrlhf_lopti.local.cli import build_parser, config_from_args
 from openrlhf_lopti.local.config import TrainConfig
-from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer, load_model, save_model
+from openrlhf_lopti.local.model import load_model, save_model
 from openrlhf_lopti.errors import UserError
 from openrlhf_lopti.local import trainer as trainer_module
-from openrlhf_lopti.local.trainer import LocalTrainer, read_metrics
-from openrlhf_lopti.local.warmup import supervised_warmup
+from openrlhf_lopti.local.trainer import LocalTrainer
+from openrlhf_lopti.runs import read_metrics
 
 TIMING = ("rollout_s", "train_s", "lopti/low/train_s", "lopti/high/train_s")  # wall times: differ from run to run
 

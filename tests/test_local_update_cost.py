@@ -15,9 +15,9 @@ import torch
 
 import openrlhf_lopti.local.update as update_module
 from openrlhf_lopti.algo import lopti_phases, policy_loss_from_logits
+from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer
 from openrlhf_lopti.local.config import TrainConfig
 from openrlhf_lopti.local.experience import Experience
-from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer
 from openrlhf_lopti.local.rollout import generate_rollouts, response_logits, response_logprobs
 from openrlhf_lopti.local.task import compact_prompt, puzzles
 from openrlhf_lopti.local.update import update_policy

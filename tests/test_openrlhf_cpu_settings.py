@@ -71,7 +71,7 @@ def test_errors_stop_the_launch_before_ray_starts(monkeypatch):
 
 def test_a_head_size_vllms_cpu_attention_refuses_stops_the_launch_before_ray(monkeypatch, tmp_path):
     import openrlhf_lopti.openrlhf.cpu.runtime as runtime
-    from openrlhf_lopti.local.tiny_model import build_tiny_model
+    from openrlhf_lopti.demo.tiny_model import build_tiny_model
 
     def args_for(heads: int):
         path = tmp_path / f"heads{heads}"
@@ -93,7 +93,7 @@ def tiny_mixtral(path):
     """A tiny Mixtral (4 experts, top 2, head size 32) saved with its tokenizer."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from openrlhf_lopti.local.tiny_model import build_tiny_model
+    from openrlhf_lopti.demo.tiny_model import build_tiny_model
 
     config = MixtralConfig(vocab_size=320, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,

@@ -137,7 +137,7 @@ def cluster(tmp_path):
 def test_multinode_script_places_ranks_on_both_nodes_and_trains(cluster, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from openrlhf_lopti.local.tiny_model import build_tiny_model
+    from openrlhf_lopti.demo.tiny_model import build_tiny_model
 
     model_dir, data, save = tmp_path / "tiny", tmp_path / "kk", tmp_path / "save"
     model, tokenizer = build_tiny_model(vocab_size=512, max_positions=512)

@@ -85,7 +85,7 @@ def test_readme_command_parses_with_the_real_parser(line, words):
 
 
 def test_demo_time_in_the_readme_is_the_one_in_its_help():
-    from openrlhf_lopti.local.demo import build_parser
+    from openrlhf_lopti.demo.run import build_parser
 
     said = re.search(r"about (\d+-\d+ minutes)", build_parser().description)
     assert said, "the demo's --help states its time"

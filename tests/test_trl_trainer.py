@@ -20,7 +20,7 @@ pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer  # noqa: E402
+from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer  # noqa: E402
 from openrlhf_lopti.local.task import compact_prompt, puzzles  # noqa: E402
 from openrlhf_lopti.trl import LoptiGRPOConfig, LoptiGRPOTrainer, kk_reward  # noqa: E402
 

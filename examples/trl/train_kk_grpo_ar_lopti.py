@@ -43,7 +43,7 @@ def cpu_setup(args):
     """Tiny word-level Llama and compact K&K prompts (2-3 people): what the local demo trains."""
     from datasets import Dataset
 
-    from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer
+    from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer
     from openrlhf_lopti.local.task import compact_prompt, puzzles
 
     tok = build_word_tokenizer()

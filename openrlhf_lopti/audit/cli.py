@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from openrlhf_lopti.demo.warmup import build_warm_model
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
 from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig
 from openrlhf_lopti.local.experience import make_experience
@@ -36,7 +37,6 @@ from openrlhf_lopti.local.model import load_model, quiet_transformers
 from openrlhf_lopti.local.task import prompt_for, resolve_prompt_style, train_puzzles
 from openrlhf_lopti.local.checkpoint import CHECKPOINT_FILE, optimizer_states as checkpoint_optimizer_states
 from openrlhf_lopti.local.trainer import FINAL_MODEL_DIR, check_run_dir, resolve_device
-from openrlhf_lopti.local.warmup import build_warm_model
 
 from .measure import (
     OPTIMIZERS,
@@ -174,10 +174,10 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
     prompts = [prompt_for(r, style, tokenizer) for r in records]
     exp = make_experience(model, None, tokenizer, records, prompts, cfg)
     rows = exp.rollout.action_mask
-    probs = exp.old_log_probs[rows].exp()
+    old_log_probs = exp.old_log_probs[rows]
     advantages = exp.advantages[rows]
-    edges = bin_edges(probs, args.bins)
-    bins = bin_index(probs, edges)
+    edges = bin_edges(old_log_probs, args.bins)
+    bins = bin_index(old_log_probs, edges)
     carries = advantages != 0  # tokens of groups whose rewards all tie have no gradient at all
 
     grad = logit_grad_norms(model, exp, cfg)

@@ -1,7 +1,10 @@
 """The audit's measurements on one batch of experience (paper Fig. 1(d) and Fig. 3).
 
 Tokens are the response tokens of the batch, binned by their sampling probability ``p = exp(old_log_prob)``
-(the probability at the sampling temperature, the one AR and Lopti use):
+(the probability at the sampling temperature, the one AR and Lopti use). The fixed bins are
+:mod:`openrlhf_lopti.algo.direction`'s, by its function (:func:`~openrlhf_lopti.algo.direction.direction_bins`:
+``p`` in float64, ``[e_k, e_{k+1})``, the last bin closed), and a bin's share follows its rule (no share for an
+empty bin: NaN here, null in audit.json, never 0); the quantile bins follow the same rule at other edges:
 
 - ``logit_grad_norms``: per token, ``||d loss_t / d z_t||`` with ``z_t`` the token's logits row and
   ``loss_t`` its GRPO loss, by autograd (one backward of the summed loss: row t only feeds loss_t);
@@ -19,43 +22,68 @@ from typing import Optional
 
 import torch
 
+from openrlhf_lopti.algo.direction import COUNT_ROWS, DIRECTION_EDGES, NUM_BINS, direction_bins, direction_metrics
 from openrlhf_lopti.local.config import TrainConfig, method_settings
 from openrlhf_lopti.local.experience import Experience
 from openrlhf_lopti.local.rollout import response_logits
 from openrlhf_lopti.local.update import build_optimizers, update_policy
 from openrlhf_lopti.ops import fused_policy_loss
 
-FIXED_EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
+BIN_MODES = ("fixed", "quantile")
 
 
-def bin_edges(probs: torch.Tensor, mode: str = "fixed") -> list:
-    """Five edges of four probability bins: ``"fixed"`` = [0, .25, .5, .75, 1] (the paper's "p > 0.75"
-    group), ``"quantile"`` = the quartiles of ``probs`` (equal token counts)."""
-    if mode == "fixed":
-        return list(FIXED_EDGES)
-    if mode != "quantile":
+def bin_edges(log_probs: torch.Tensor, mode: str = "fixed") -> list:
+    """Five edges of four probability bins: ``"fixed"`` = algo's ``DIRECTION_EDGES`` [0, .25, .5, .75, 1] (the
+    paper's "p > 0.75" group), ``"quantile"`` = the quartiles of ``p = exp(log_probs)`` (equal token counts)."""
+    if mode not in BIN_MODES:
         raise ValueError(f"bins must be 'fixed' or 'quantile', got {mode!r}")
-    if probs.numel() == 0:
-        raise ValueError("probs is empty: no response tokens to bin")
-    qs = torch.quantile(probs.double().cpu(), torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+    if mode == "fixed":
+        return list(DIRECTION_EDGES)
+    if log_probs.numel() == 0:
+        raise ValueError("log_probs is empty: no response tokens to bin")
+    p = log_probs.detach().double().cpu().exp()
+    qs = torch.quantile(p, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
     return [0.0, *[float(q) for q in qs], 1.0]
 
 
-def bin_index(probs: torch.Tensor, edges: list) -> torch.Tensor:
-    """``[N]`` bin (0 = lowest probability .. 3) of each probability; bins are ``[e_k, e_{k+1})``, the last
-    one closed."""
-    inner = torch.tensor(edges[1:-1], dtype=probs.dtype, device=probs.device)
-    return torch.bucketize(probs, inner, right=True)
+def bin_index(log_probs: torch.Tensor, edges: list) -> torch.Tensor:
+    """``[N]`` bin (0 = lowest probability .. 3) of each token by ``p = exp(log_probs)``.
+
+    The fixed edges are :func:`~openrlhf_lopti.algo.direction.direction_bins` itself; other edges (quantile)
+    follow its rule: ``p`` in float64, bins ``[e_k, e_{k+1})``, the last one closed (and taking p a hair above 1).
+    """
+    if len(edges) != NUM_BINS + 1:
+        raise ValueError(f"edges must be {NUM_BINS + 1} numbers, got {len(edges)}")
+    if tuple(edges) == DIRECTION_EDGES:
+        return direction_bins(log_probs)
+    p = log_probs.detach().double().exp()
+    inner = torch.tensor(edges[1:-1], dtype=torch.float64, device=p.device)
+    return torch.bucketize(p, inner, right=True)
 
 
 def per_bin_mean(values: torch.Tensor, bins: torch.Tensor, keep: Optional[torch.Tensor] = None) -> list:
-    """Mean of ``values [N]`` per bin over the entries where ``keep`` is true; NaN for an empty bin."""
+    """Mean of ``values [N]`` per bin over the entries where ``keep`` is true; NaN for an empty bin (no value,
+    as algo.direction leaves out an empty bin's share: null in audit.json, "-" in the table, never 0)."""
     keep = torch.ones_like(bins, dtype=torch.bool) if keep is None else keep
     out = []
-    for k in range(4):
+    for k in range(NUM_BINS):
         sel = (bins == k) & keep
         out.append(float(values[sel].float().mean()) if sel.any() else math.nan)
     return out
+
+
+def direction_shares(bins: torch.Tensor, delta: torch.Tensor, advantages: torch.Tensor) -> list:
+    """Per bin, the share of positive-advantage tokens whose log-prob rose (``delta > 0``), counted in
+    algo.direction's rows (:data:`~openrlhf_lopti.algo.direction.COUNT_ROWS`) and turned into shares by
+    :func:`~openrlhf_lopti.algo.direction.direction_metrics`: a bin without a positive token has no share (NaN
+    here), an unchanged log-prob is not "rose"."""
+    bins, delta, advantages = bins.cpu(), delta.cpu(), advantages.cpu()
+    rise, fall = delta > 0, delta < 0
+    pos, neg = advantages > 0, advantages < 0
+    rows = {"tokens": torch.ones_like(pos), "pos": pos, "pos_up": pos & rise, "neg": neg, "neg_down": neg & fall}
+    counts = torch.stack([torch.bincount(bins[rows[name]], minlength=NUM_BINS) for name in COUNT_ROWS]).double()
+    metrics = direction_metrics(counts)
+    return [metrics.get(f"direction/pos_up_q{k + 1}", math.nan) for k in range(NUM_BINS)]
 
 
 def _flat(exp: Experience) -> tuple:
@@ -118,7 +146,7 @@ def sample_per_bin(bins: torch.Tensor, keep: torch.Tensor, count: int, seed: int
     """Up to ``count`` random flat indices per bin among ``keep`` tokens (all of them if fewer)."""
     generator = torch.Generator().manual_seed(seed)
     picked = []
-    for k in range(4):
+    for k in range(NUM_BINS):
         idx = torch.nonzero(((bins == k) & keep).cpu()).flatten()
         picked.append(idx[torch.randperm(len(idx), generator=generator)[:count]])
     return torch.cat(picked)
@@ -195,7 +223,7 @@ def correct_direction(
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    positive = exp.advantages[exp.rollout.action_mask] > 0
+    advantages = exp.advantages[exp.rollout.action_mask]
     before = logprobs_fp64(model, exp, cfg.temperature)
     fractions, deltas = {}, {}
     for method in methods:
@@ -205,7 +233,7 @@ def correct_direction(
         opt = make_optimizer(policy.parameters(), optimizer, method_cfg, optimizer_states)
         update_policy(policy, opt, exp, method_cfg, torch.Generator().manual_seed(cfg.seed))
         delta = logprobs_fp64(policy, exp, cfg.temperature) - before
-        fractions[method] = per_bin_mean((delta > 0).float(), bins, positive)
+        fractions[method] = direction_shares(bins, delta, advantages)
         deltas[method] = delta
         del policy, opt
     return fractions, deltas

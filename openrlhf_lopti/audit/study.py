@@ -37,7 +37,7 @@ from typing import Optional
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
 from openrlhf_lopti.local.config import METHODS, OPTIMIZERS
-from openrlhf_lopti.local.demo import window_mean
+from openrlhf_lopti.runs import read_metrics, window_mean
 
 from .report import write_json
 from .stats import format_ci, mean_ci, paired_differences
@@ -274,15 +274,8 @@ def run_dir(out: Path, method: str, seed: int) -> Path:
 
 
 def read_rows(path: Path) -> list:
-    """metrics.jsonl rows (a torn last line is ignored); [] when missing."""
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return rows
+    """metrics.jsonl rows (:func:`openrlhf_lopti.runs.read_metrics`: a torn last line is ignored); [] when missing."""
+    return read_metrics(path) if path.exists() else []
 
 
 # ---------------------------------------------------------------- jobs
@@ -295,7 +288,7 @@ def warmup_job(out: Path, seed: int) -> int:
     from openrlhf_lopti.local.evaluation import greedy_eval
     from openrlhf_lopti.local.model import load_model, quiet_transformers
     from openrlhf_lopti.local.task import eval_puzzles, prompt_for
-    from openrlhf_lopti.local.warmup import build_warm_model
+    from openrlhf_lopti.demo.warmup import build_warm_model
 
     quiet_transformers()
     torch.set_num_threads(1)

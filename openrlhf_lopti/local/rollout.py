@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from openrlhf_lopti.algo import token_logprobs
+from openrlhf_lopti.models import lm_head_parts
 from openrlhf_lopti.ops import linear_log_probs
-
-from .model import lm_head_parts
 
 
 @dataclass

@@ -18,8 +18,8 @@ from typing import Optional, Sequence
 import torch
 
 from openrlhf_lopti.algo import approx_kl, direction_counts, direction_metrics, lopti_settings, plan_round
-from openrlhf_lopti.errors import UserError, check_model_dir
-from openrlhf_lopti.outputs import prepare_out_dir
+from openrlhf_lopti.errors import UserError
+from openrlhf_lopti.runs import check_model_dir, prepare_out_dir, read_metrics
 
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, optimizer_states, save_checkpoint, set_rng_state
 from .config import TrainConfig
@@ -58,7 +58,7 @@ def check_run_dir(
     can_resume: bool = True,
     inputs: Sequence[tuple] = (),
 ) -> Path:
-    """Create the run folder ``out`` or accept it (:func:`openrlhf_lopti.outputs.prepare_out_dir`).
+    """Create the run folder ``out`` or accept it (:func:`openrlhf_lopti.runs.prepare_out_dir`).
 
     An earlier run's files (``names``) there are refused unless ``resume`` (kept) or ``overwrite``
     (removed, and only they: other files in ``out`` stay). ``inputs`` (``(flag, path)``) are never written.
@@ -286,15 +286,4 @@ class LocalTrainer:
         rows = read_metrics(self.metrics_path)
         plot_runs({cfg.method: rows}, self.out / PLOT_FILE, title=f"{cfg.method} ({self.out.name})")
         return rows
-
-
-def read_metrics(path: str | os.PathLike) -> list:
-    """The rows of a metrics.jsonl file (a torn last line, from a crash mid-write, is ignored)."""
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
 

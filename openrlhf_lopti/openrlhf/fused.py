@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from openrlhf_lopti.local.model import lm_head_parts  # noqa: F401 - the trainer checks the layer with it too
+from openrlhf_lopti.models import lm_head_parts  # noqa: F401 - the trainer checks the layer with it too
 from openrlhf_lopti.ops import fused_policy_loss, linear_log_probs
 
 

@@ -44,7 +44,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
-from openrlhf_lopti.outputs import check_out_dir, prepare_out_dir, prepare_out_file
+from openrlhf_lopti.runs import check_out_dir, prepare_out_dir, prepare_out_file
 from openrlhf_lopti.tasks import kk
 from openrlhf_lopti.tasks import math as math_task
 from openrlhf_lopti.tasks import load_rows, write_jsonl

@@ -41,8 +41,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from openrlhf_lopti.errors import ArgumentParser, UserError, check_model_dir, run_command
-from openrlhf_lopti.outputs import prepare_out_dir
+from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
+from openrlhf_lopti.runs import check_model_dir, prepare_out_dir
 from openrlhf_lopti.tasks import kk
 from openrlhf_lopti.tasks import math as math_task
 from openrlhf_lopti.tasks import load_rows, messages_to_text, write_jsonl

@@ -15,8 +15,7 @@ import sys
 
 import torch
 
-from openrlhf_lopti.local.model import build_tiny_llama
-from openrlhf_lopti.local.tiny_model import build_kk_tokenizer
+from openrlhf_lopti.demo.tiny_model import build_kk_tokenizer, build_tiny_llama
 
 out = sys.argv[1]
 vocab = int(sys.argv[2]) if len(sys.argv) > 2 else 151936

@@ -6,22 +6,91 @@ Knights-and-Knaves text (chat-templated prompts of 2-8 people, ``<think>``/``<an
 write any string, and every K&K word (names, roles, connectives, tags, list markers) is one or a few tokens.
 It has a ChatML chat template (``--data.apply_chat_template``) whose end-of-turn token is the eos. The
 weights are random: rewards are near the format floor, which is what a dry run needs.
+
+The builders: :func:`build_tiny_llama` (a random ``LlamaForCausalLM`` sized for any tokenizer),
+:func:`build_word_tokenizer` (the demo's word-level vocabulary, one id per compact K&K word: the demo and the
+audit warm it up), :func:`build_kk_tokenizer` (the byte-level BPE above) and :func:`build_tiny_model` (both).
 """
 
 import sys
 from pathlib import Path
 from typing import Optional
 
-from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
-from openrlhf_lopti.tasks import kk
+import torch
 
-from .model import build_tiny_llama
+from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
+from openrlhf_lopti.local.task import COMPACT_WORDS
+from openrlhf_lopti.tasks import kk
 
 SPECIALS = {"pad": "<|endoftext|>", "bos": "<|im_start|>", "eos": "<|im_end|>"}
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The word-level tokenizer's special tokens (ids 0-3).
+SPECIAL_TOKENS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "unk": "<unk>"}
+
+
+def build_word_tokenizer(words: tuple = COMPACT_WORDS):
+    """A ``PreTrainedTokenizerFast`` with one id per whitespace-separated word (ids 0-3 are special).
+
+    Text is split on whitespace only, so prompts and responses must separate every word with a space;
+    decoding joins words with single spaces. Unknown words map to ``<unk>``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(dict.fromkeys([*SPECIAL_TOKENS.values(), *words]))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS["unk"]))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # WordPiece's decoder with an unused prefix just joins tokens with spaces, without cleanup rules.
+    core.decoder = decoders.WordPiece(prefix="\x00", cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=SPECIAL_TOKENS["pad"],
+        bos_token=SPECIAL_TOKENS["bos"],
+        eos_token=SPECIAL_TOKENS["eos"],
+        unk_token=SPECIAL_TOKENS["unk"],
+    )
+    tokenizer.padding_side = "left"  # generation needs prompts aligned on the right
+    return tokenizer
+
+
+def build_tiny_llama(
+    tokenizer, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4, max_positions: int = 256, seed: int = 0
+):
+    """A randomly initialised ``LlamaForCausalLM`` sized for the tokenizer (about 0.35 M parameters by default).
+
+    Args:
+        tokenizer: supplies ``len(tokenizer)`` and the pad/bos/eos ids.
+        hidden_size: width (must be divisible by ``num_heads``); MLP width is ``2 * hidden_size``.
+        num_layers, num_heads: depth and attention heads.
+        max_positions: longest prompt + response, tokens.
+        seed: torch seed of the initialisation.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_positions,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
 
 
 def kk_corpus(puzzles_per_size: int = 40, seed: int = 0) -> list:

@@ -12,9 +12,11 @@ from typing import Sequence
 
 import torch
 
-from .evaluation import greedy_eval
-from .model import build_tiny_llama, build_word_tokenizer, save_model
-from .task import VALID_SEED_BASE, WARMUP_SEED_BASE, compact_prompt, compact_solution, puzzles
+from openrlhf_lopti.local.evaluation import greedy_eval
+from openrlhf_lopti.local.model import save_model
+from openrlhf_lopti.local.task import VALID_SEED_BASE, WARMUP_SEED_BASE, compact_prompt, compact_solution, puzzles
+
+from .tiny_model import build_tiny_llama, build_word_tokenizer
 
 
 def warmup_batch(tokenizer, records: list) -> tuple:
@@ -111,7 +113,7 @@ def build_warm_model(
     hidden_size: int = 128,
     num_layers: int = 2,
 ) -> dict:
-    """Build the demo's tiny model (``hidden_size``, ``num_layers``: see :func:`.model.build_tiny_llama`) and
+    """Build the demo's tiny model (``hidden_size``, ``num_layers``: see :func:`.tiny_model.build_tiny_llama`) and
     tokenizer, warm it up, and save both to ``path`` (a HF checkpoint whose prompt style is "compact").
     Returns facts for the record: ``warmup_steps``,
     ``warmup_final_loss`` (mean of the last 10 steps, nats/token), ``warmup_validation_checks``,

@@ -1,13 +1,22 @@
-"""Where a command may write: the rules every ``openrlhf-lopti`` command follows for its outputs.
+"""Run folders and metrics files: the helpers more than one command needs (the local trainer, the demo, the
+audit, the study, ``eval``, ``data``, the benchmarks), below all of them. Imports nothing of the package but
+:mod:`.errors`, and neither torch nor transformers.
+
+Where a command may write: the rules every ``openrlhf-lopti`` command follows for its outputs.
 
 - A command never writes over a file it was given as input, nor into an input's folder, nor removes one.
 - Each command knows the names of its outputs (files, folders, glob patterns such as ``people[0-9].jsonl``).
   If any of them already exists in ``--out``, the command refuses to start unless ``--overwrite`` (or, for
   commands that can continue a run, ``--resume``) is given. ``--overwrite`` removes exactly those names;
   anything else the user keeps in the folder stays, and unrelated files never block a run.
+
+What a command reads: :func:`check_model_dir` (a Hugging Face checkpoint folder, with a one-line error naming
+what it lacks) and :func:`read_metrics` (a run's ``metrics.jsonl``, one JSON object per step).
 """
 
 import fnmatch
+import json
+import os
 import shutil
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -128,3 +137,49 @@ def prepare_out_file(path: str | Path, *, overwrite: bool, inputs: Inputs = (), 
         raise UserError(f"{out_flag} {path} exists: pass --overwrite to replace it, or choose another {out_flag}")
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
+
+
+# Files that make a folder a Hugging Face checkpoint that AutoModelForCausalLM / AutoTokenizer can load.
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def check_model_dir(path: str, flag: str = "--model") -> Path:
+    """``path`` as a ``Path`` if it is a local Hugging Face checkpoint folder, else a :class:`UserError`
+    naming ``flag`` and the files it lacks (instead of transformers' advice to install sentencepiece)."""
+    folder = Path(path)
+    hint = "pass a folder written by save_pretrained (model and tokenizer), e.g. runs/demo-<timestamp>/warmup_model"
+    if not folder.exists():
+        raise UserError(f"{flag} {path}: no such folder; {hint}")
+    if not folder.is_dir():
+        raise UserError(f"{flag} {path}: is a file, not a folder; {hint}")
+    missing = []
+    if not (folder / "config.json").is_file():
+        missing.append("config.json")
+    if not any(any(folder.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or *.bin)")
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        missing.append("tokenizer (tokenizer.json or tokenizer_config.json)")
+    if missing:
+        raise UserError(f"{flag} {path}: not a Hugging Face checkpoint, it has no {', '.join(missing)}; {hint}")
+    return folder
+
+
+def read_metrics(path: str | os.PathLike) -> list:
+    """The rows of a metrics.jsonl file (a torn last line, from a crash mid-write, is ignored)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def window_mean(rows: list, key: str, first: bool, frac: float = 0.2) -> float:
+    """Mean of ``key`` over the first / last ``frac`` of metrics ``rows`` (at least one row; rows without
+    ``key`` are skipped); NaN when none has it."""
+    k = max(1, int(len(rows) * frac))
+    part = rows[:k] if first else rows[-k:]
+    values = [r[key] for r in part if key in r]
+    return sum(values) / len(values) if values else float("nan")

@@ -2,8 +2,9 @@
 
 Nothing is downloaded. The task is 2-person Knights and Knaves with the paper's reward
 (``tasks.kk.reward``), written in a word-level vocabulary so that sequences stay short (see
-:mod:`.task`). Every method starts from the same warmed-up weights, with the same seed, puzzles and
-budget; the only differences are AR's alpha and Lopti's two phases.
+:mod:`openrlhf_lopti.local.task`). Every method starts from the same warmed-up weights (:mod:`.warmup`), with
+the same seed, puzzles and budget; the only differences are AR's alpha and Lopti's two phases. Each method is
+one run of the local trainer (:class:`openrlhf_lopti.local.trainer.LocalTrainer`).
 
 Writes into ``--out``: ``warmup_model/`` (a Hugging Face checkpoint: ``audit --model`` and
 ``train --model`` take it), ``runs/<method>/`` (each a full ``train`` run directory), ``demo.png``
@@ -20,14 +21,14 @@ from typing import Optional
 import torch
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
-from openrlhf_lopti.outputs import prepare_out_dir
+from openrlhf_lopti.local.config import METHODS, TrainConfig, method_settings
+from openrlhf_lopti.local.evaluation import greedy_eval
+from openrlhf_lopti.local.model import load_model, quiet_transformers
+from openrlhf_lopti.local.plots import plot_runs
+from openrlhf_lopti.local.task import eval_puzzles, prompt_for
+from openrlhf_lopti.local.trainer import LocalTrainer, check_loss_backend, resolve_device
+from openrlhf_lopti.runs import prepare_out_dir, window_mean
 
-from .config import METHODS, TrainConfig, method_settings
-from .evaluation import greedy_eval
-from .model import load_model, quiet_transformers
-from .plots import plot_runs
-from .task import eval_puzzles, prompt_for
-from .trainer import LocalTrainer, check_loss_backend, resolve_device
 from .warmup import build_warm_model
 
 WARMUP_DIR = "warmup_model"
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def method_config(out: Path, method: str, args: argparse.Namespace) -> TrainConfig:
-    """The settings every method shares; only alpha and lopti differ (:data:`.config.METHODS`)."""
+    """The settings every method shares; only alpha and lopti differ (``openrlhf_lopti.local.config.METHODS``)."""
     return TrainConfig(
         model=str(out / WARMUP_DIR),
         out=str(out / "runs" / method),
@@ -96,14 +97,6 @@ def method_config(out: Path, method: str, args: argparse.Namespace) -> TrainConf
         progress=not args.no_progress,
         **method_settings(method),
     )
-
-
-def window_mean(rows: list, key: str, first: bool, frac: float = 0.2) -> float:
-    """Mean of ``key`` over the first / last ``frac`` of the rows (at least one row)."""
-    k = max(1, int(len(rows) * frac))
-    part = rows[:k] if first else rows[-k:]
-    values = [r[key] for r in part if key in r]
-    return sum(values) / len(values) if values else float("nan")
 
 
 def summarize(method: str, rows: list, seconds: float, cpu_seconds: float) -> dict:

@@ -36,7 +36,7 @@ def test_tiny_model_refuses_a_folder_with_files(tmp_path):
 
 
 def test_a_vocab_size_the_kk_text_cannot_give_is_refused_naming_the_flag(tmp_path):
-    from openrlhf_lopti.local.tiny_model import build_kk_tokenizer
+    from openrlhf_lopti.demo.tiny_model import build_kk_tokenizer
 
     learned = len(build_kk_tokenizer(seed=0))  # every BPE id the K&K text yields
     assert len(build_kk_tokenizer(learned, seed=0)) == learned and len(build_kk_tokenizer(300, seed=0)) == 300
