@@ -19,7 +19,7 @@ the reference log-probs are the old ones (the k3 KL term is computed, at 0.001).
 (loss path, method), in an order rotated from round to round, on one model and one AdamW whose state persists (a
 steady-state step; lr 1e-7 so the weights barely move). The first ``--warmup`` rounds are not counted.
 
-Per update: wall and process-CPU seconds, Lopti's per-phase wall seconds (``phase{k}_s``), and a stage split read
+Per update: wall and process-CPU seconds, Lopti's per-phase wall seconds (``lopti/<phase>/train_s``), and a stage split read
 by hooks, without touching the update's code (:class:`StageClocks`): **body forward** (the decoder, final norm
 included), **head** (from the decoder's output to the gradient of its last hidden state: lm_head forward, loss,
 loss backward, lm_head backward), **body backward** (from there to the gradient of the input embeddings'
@@ -312,21 +312,17 @@ def run_update(model, optimizer, exp, cfg) -> dict:
               "optimizer_steps": metrics["optimizer_steps"], "peak_growth_mib": memory.growth / 2**20,
               "rss_before_mib": rss}  # fmt: skip
     if cfg.lopti:
-        record.update(lopti_phase_metrics(metrics, cfg.lopti_order))
+        record.update(lopti_phase_metrics(metrics))
     return record
 
 
-def lopti_phase_metrics(metrics: dict, order: str) -> dict:
-    """``{"train_low_s", "train_high_s", "low_tokens", "high_tokens"}`` from ``update_policy``'s metrics, named
-    ``lopti/<phase>/train_s`` and ``lopti/<phase>/tokens``, or, in versions before the shared Lopti round,
-    ``phase{k}_s`` and ``phase{k}_tokens`` in update order (None when neither is there)."""
-    names = ("low", "high") if order == "low_first" else ("high", "low")
+def lopti_phase_metrics(metrics: dict) -> dict:
+    """``{"train_low_s", "train_high_s", "low_tokens", "high_tokens"}`` from ``update_policy``'s metrics
+    ``lopti/<phase>/train_s`` and ``lopti/<phase>/tokens`` (None when absent)."""
     out = {}
-    for k, name in enumerate(names, start=1):
-        for field, new, old in (("train_{}_s", "lopti/{}/train_s", "phase{}_s"),
-                                ("{}_tokens", "lopti/{}/tokens", "phase{}_tokens")):  # fmt: skip
-            value = metrics.get(new.format(name), metrics.get(old.format(k)))
-            out[field.format(name)] = value
+    for name in ("low", "high"):
+        out[f"train_{name}_s"] = metrics.get(f"lopti/{name}/train_s")
+        out[f"{name}_tokens"] = metrics.get(f"lopti/{name}/tokens")
     return out
 
 

@@ -74,11 +74,7 @@ from benchmarks.bench_cpu_policy_loss import _cpu_model, _peak_growth, _start_pe
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command  # noqa: E402
 from openrlhf_lopti.local.config import METHODS  # noqa: E402
 
-try:  # the run-folder rules and the model-folder check live in openrlhf_lopti.runs since the package's re-layering
-    from openrlhf_lopti.runs import check_model_dir, prepare_out_dir  # noqa: E402
-except ImportError:  # before it: openrlhf_lopti.outputs and openrlhf_lopti.errors
-    from openrlhf_lopti.errors import check_model_dir  # noqa: E402
-    from openrlhf_lopti.outputs import prepare_out_dir  # noqa: E402
+from openrlhf_lopti.runs import check_model_dir, prepare_out_dir  # noqa: E402
 
 TRAINERS = ("local", "openrlhf")
 LOSS_PATHS = ("eager", "logits_kernel", "fused_lm_head")
@@ -176,10 +172,7 @@ def build_bench_model(out: Path, hidden_size: int, layers: int, heads: int, voca
     Its lm_head has one row per tokenizer id: ``vocab_size`` (``None``: all the K&K text yields)."""
     import torch
 
-    try:  # openrlhf_lopti.demo since the re-layering, openrlhf_lopti.local before
-        from openrlhf_lopti.demo.tiny_model import build_tiny_model
-    except ImportError:
-        from openrlhf_lopti.local.tiny_model import build_tiny_model
+    from openrlhf_lopti.demo.tiny_model import build_tiny_model
 
     try:
         model, tokenizer = build_tiny_model(hidden_size, layers, heads, max_positions=2048, vocab_size=vocab_size)
@@ -386,8 +379,7 @@ def bench_local(args, model_dir: Path, reward_file: Path, work: Path, log: Calla
 
 def local_record(cfg, metrics: dict, clocks: dict, memory_bytes: int) -> dict:
     """One step's record: the stage clocks (:func:`stage_clocks`), ``LocalTrainer.train_step``'s metrics
-    (``lopti/<phase>/train_s``, before the shared Lopti round ``phase{k}_s`` in update order: Lopti's phases, wall
-    seconds) and the step's memory growth."""
+    (``lopti/<phase>/train_s``: Lopti's phases, wall seconds) and the step's memory growth."""
     batch = cfg.prompts_per_step * cfg.n_samples
     tokens = metrics["response_tokens"] * batch  # response_tokens is the mean per response
     (gen, gen_cpu), (exp, exp_cpu), (train, train_cpu) = clocks["generation"], clocks["experience"], clocks["train"]
@@ -399,13 +391,12 @@ def local_record(cfg, metrics: dict, clocks: dict, memory_bytes: int) -> dict:
         "train_tokens_per_s": tokens * cfg.epochs / train,
         "optimizer_steps": metrics["optimizer_steps"],
         "peak_memory_mib": memory_bytes / 2**20,
-        # the shared Lopti round's name (algo.plan_round: Lopti runs only), or the local trainer's earlier one
-        "low_token_fraction": metrics.get("lopti/low_token_frac", metrics.get("low_token_fraction")),
+        "low_token_fraction": metrics.get("lopti/low_token_frac"),
     }
     if cfg.lopti:
         order = PHASES if cfg.lopti_order == "low_first" else PHASES[::-1]
-        for k, phase in enumerate(order, start=1):  # None: a trainer without per-phase times
-            record[f"train_{phase}_s"] = metrics.get(f"lopti/{phase}/train_s", metrics.get(f"phase{k}_s"))
+        for phase in order:  # None: a trainer without per-phase times
+            record[f"train_{phase}_s"] = metrics.get(f"lopti/{phase}/train_s")
     return record
 
 

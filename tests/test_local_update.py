@@ -12,7 +12,7 @@ import openrlhf_lopti.local.update as update_module
 from openrlhf_lopti.algo import policy_loss_from_logp, token_logprobs
 from openrlhf_lopti.local.config import TrainConfig
 from openrlhf_lopti.local.experience import Experience, make_experience
-from openrlhf_lopti.local.model import build_tiny_llama, build_word_tokenizer
+from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer
 from openrlhf_lopti.local.rollout import Rollout, generate_rollouts, response_logits, response_logprobs
 from openrlhf_lopti.local.task import compact_prompt, puzzles
 from openrlhf_lopti.local.update import build_optimizers, phase_part, update_policy
@@ -135,7 +135,8 @@ class Spy:
 
     def __call__(self, logits, labels, old, adv, mask, **kw):
         record = dict(logits=logits.detach().clone(), labels=labels, old=old, adv=adv, mask=mask.clone())
-        self.calls.append({**record, **kw})
+        fields = dataclasses.asdict(kw["options"]) if kw.get("options") is not None else {}
+        self.calls.append({**record, **fields, **kw})
         return self.real(logits, labels, old, adv, mask, **kw)
 
 

@@ -141,7 +141,7 @@ def sync_records(log: Path) -> list:
 
 def tiny_kk(tmp_path: Path, train_per_n: int) -> dict:
     """A tiny model (head size 32, peaky), K&K data and the reward file: the script's environment."""
-    from openrlhf_lopti.local.tiny_model import build_tiny_model
+    from openrlhf_lopti.demo.tiny_model import build_tiny_model
 
     model_dir, data = tmp_path / "tiny", tmp_path / "kk"
     model, tokenizer = build_tiny_model(vocab_size=512, max_positions=512)

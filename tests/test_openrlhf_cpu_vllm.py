@@ -23,7 +23,7 @@ LOGPROB_ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from openrlhf_lopti.local.tiny_model import build_tiny_model
+    from openrlhf_lopti.demo.tiny_model import build_tiny_model
 
     path = tmp_path_factory.mktemp("tiny")
     model, tokenizer = build_tiny_model(hidden_size=64, num_layers=1, num_heads=2, vocab_size=320, max_positions=128)

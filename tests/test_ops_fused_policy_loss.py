@@ -12,7 +12,7 @@ import torch
 import openrlhf_lopti.ops.cpp_policy_loss as cpp_module
 import openrlhf_lopti.ops.triton as triton_module
 from openrlhf_lopti.algo import policy_loss_from_logits
-from openrlhf_lopti.ops import fused_policy_loss
+from openrlhf_lopti.ops import LossOptions, fused_policy_loss
 
 # The package re-exports the function under the module's name, so fetch the module itself.
 fused_module = importlib.import_module("openrlhf_lopti.ops.fused_policy_loss")
@@ -117,6 +117,8 @@ BAD_INPUTS = {
     "kl_estimator": [dict(kl_estimator="k4"), dict(kl_estimator="K3")],
     "temperature": [dict(temperature=0.0), dict(temperature=-1.0), dict(temperature=float("nan")),
                     dict(temperature=math.inf)],
+    "options": [dict(options="alpha=0.3"), dict(options={"alpha": 0.3}), dict(options=LossOptions(), alpha=0.3),
+                dict(options=LossOptions(alpha=0.3), temperature=0.7)],
 }  # fmt: skip
 BAD_CASES = [(name, overrides) for name, cases in BAD_INPUTS.items() for overrides in cases]
 
@@ -168,6 +170,22 @@ def test_resolve_backend_names_the_backend_that_runs(monkeypatch):
     monkeypatch.setattr(cpp_module, "cpp_available", lambda: False)
     assert fused_module.resolve_backend("auto", cpu) == "torch"
     assert [fused_module.resolve_backend(b, cpu) for b in ("triton", "cpp", "torch")] == ["triton", "cpp", "torch"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_options_object_is_the_keywords(backend):
+    """``options=LossOptions(...)`` (what the front ends pass) computes exactly what the same keywords compute,
+    and a bad value inside it is named by its field."""
+    fields = dict(alpha=0.3, eps_low=0.1, eps_high=0.3, dual_clip=3.0, kl_coef=0.05, kl_estimator="k2",
+                  temperature=0.7, backend=backend)  # fmt: skip
+    args = _good()
+    args.pop("kl_coef")  # in fields
+    by_keywords = fused_policy_loss(**args, return_entropy=True, **fields)
+    by_object = fused_policy_loss(**args, return_entropy=True, options=LossOptions(**fields))
+    for field in ("loss", "logp", "kl", "clipped", "entropy"):
+        assert torch.equal(getattr(by_keywords, field), getattr(by_object, field)), field
+    with pytest.raises(ValueError, match="alpha"):
+        fused_policy_loss(**args, options=LossOptions(alpha=1.5, backend=backend))
 
 
 def test_every_argument_has_a_bad_input_case():

@@ -27,7 +27,8 @@ HELP = {
     "lopti": "Low-Probability Token Isolation: update low-p tokens, then high-p tokens",
     "eta": "Lopti threshold on the rollout probability (paper 0.5)",
     "lopti_order": "low_first (Lopti) or high_first (the paper's collapsing ablation)",
-    "lopti_quantile": "use this quantile of token probabilities as the threshold instead of eta",
+    "lopti_quantile": "use this quantile of the batch's token probabilities as the threshold instead of eta "
+    "(turns Lopti on by itself)",
     "lopti_moments": "shared (the paper's: both phases step one optimizer, so phase 2 carries the moments phase 1 "
     "just filled) or per-phase (opt-in: each phase its own optimizer state; measured worse, README study); "
     "no effect without Lopti",

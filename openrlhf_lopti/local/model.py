@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 
-from openrlhf_lopti.models import lm_head_parts  # noqa: F401 - update.py's import; use openrlhf_lopti.models
 from openrlhf_lopti.runs import check_model_dir
 
 MARKER_FILE = "lopti_local.json"

@@ -34,11 +34,11 @@ from typing import Optional, Sequence, Union
 import torch
 
 from openrlhf_lopti.algo import LoptiRound, plan_round
-from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss
+from openrlhf_lopti.ops import LossOptions, fused_linear_policy_loss, fused_policy_loss
 
 from .config import TrainConfig
 from .experience import Experience
-from .model import lm_head_parts
+from openrlhf_lopti.models import lm_head_parts
 from .rollout import Rollout, response_hidden, response_logits
 
 
@@ -107,6 +107,8 @@ def update_policy(
     kl_coef = cfg.kl_coef if cfg.estimator == "grpo" else 0.0  # REINFORCE++ has its KL in the reward
     ref = exp.ref_log_probs if kl_coef != 0 else None
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    loss_options = LossOptions(alpha=cfg.alpha, eps_low=cfg.eps_low, eps_high=cfg.eps_high, kl_coef=kl_coef,
+                               kl_estimator=cfg.kl_estimator, temperature=cfg.temperature, backend=cfg.loss_backend)
 
     metrics = {"loss": 0.0, "optimizer_steps": 0}
     clipped_all = entropy_all = trained_all = 0.0
@@ -144,14 +146,8 @@ def update_policy(
                         )
                         options = dict(
                             ref_log_probs=None if ref is None else ref[part_rows, :columns][rows],
-                            alpha=cfg.alpha,
-                            eps_low=cfg.eps_low,
-                            eps_high=cfg.eps_high,
-                            kl_coef=kl_coef,
-                            kl_estimator=cfg.kl_estimator,
-                            temperature=cfg.temperature,
                             return_entropy=True,
-                            backend=cfg.loss_backend,
+                            options=loss_options,
                         )
                         if cfg.fused_lm_head:  # [N, H] hidden states and the lm_head: no [N, V] logits
                             weight, bias = lm_head_parts(policy)

@@ -47,7 +47,7 @@ from openrlhf_lopti.algo import (
     reweight_advantages,
     sum_direction_counts,
 )
-from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss
+from openrlhf_lopti.ops import LossOptions, fused_linear_policy_loss, fused_policy_loss
 from openrlhf_lopti.ops.fused_policy_loss import resolve_backend
 
 from .flags import check_config, fused_backend, fused_loss_blockers, lopti_config
@@ -419,7 +419,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             getattr(actor, "packing_samples", False),
         )  # fmt: skip
         old, advantages = rows.rows(experience.action_log_probs.float()), rows.rows(experience.advantages.float())
-        options = dict(
+        options = LossOptions(
             alpha=self.lopti.ar_alpha, eps_low=policy_loss.clip_eps_low, eps_high=policy_loss.clip_eps_high,
             dual_clip=policy_loss.dual_clip, temperature=actor.temperature, backend=self.fused_backend,
         )  # fmt: skip
@@ -445,7 +445,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             flat = logits.reshape(-1, logits.shape[-1])  # a view: no copy of the [N, V] logits
             return checked(
                 lambda: fused_policy_loss(
-                    flat, rows.labels, old, advantages, rows.mask, return_entropy=step["entropy"], **options
+                    flat, rows.labels, old, advantages, rows.mask, return_entropy=step["entropy"], options=options
                 )
             )
 
@@ -454,7 +454,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             out = checked(
                 lambda: fused_linear_policy_loss(
                     flat, weight, rows.labels, old, advantages, rows.mask, bias=bias,
-                    return_entropy=step["entropy"], **options,
+                    return_entropy=step["entropy"], options=options,
                 )  # fmt: skip
             )
             step["detached"] = out.kl, out.clipped

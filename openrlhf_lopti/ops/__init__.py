@@ -3,5 +3,6 @@
 
 from .fused_linear_policy_loss import fused_linear_policy_loss, linear_log_probs
 from .fused_policy_loss import BACKENDS, fused_policy_loss
+from .loss_options import LossOptions
 
-__all__ = ["BACKENDS", "fused_linear_policy_loss", "fused_policy_loss", "linear_log_probs"]
+__all__ = ["BACKENDS", "LossOptions", "fused_linear_policy_loss", "fused_policy_loss", "linear_log_probs"]

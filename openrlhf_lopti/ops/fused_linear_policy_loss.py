@@ -23,6 +23,7 @@ per-row vectors (the ``"torch"`` backend adds its fp32 ``[chunk, V]`` temporarie
 weight-gradient accumulator (for a bf16/fp16 weight, plus one ``[V_block, H]`` product and the final cast).
 """
 
+from dataclasses import astuple
 from typing import Optional
 
 import torch
@@ -31,6 +32,7 @@ from torch.autograd.function import once_differentiable
 from ..algo import PolicyLossOutput
 from ..algo.policy_loss import bad_logit_row_error, first_flagged_row
 from .fused_policy_loss import BACKENDS, LOGITS_DTYPES, _check_row_inputs, fused_policy_loss
+from .loss_options import LossOptions, resolve_options
 
 # Default chunking: the [chunk, V] buffers alive at once take at most this many bytes (model dtype). Forward
 # passes hold one (the chunk's logits), backward two (logits and their gradient), so at V = 151936 the forward
@@ -237,6 +239,7 @@ def fused_linear_policy_loss(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    options: Optional[LossOptions] = None,
 ) -> PolicyLossOutput:
     """:func:`~openrlhf_lopti.ops.fused_policy_loss` of the logits ``hidden @ weight.T + bias``, without ever
     holding those logits for all rows: the lm_head runs chunk by chunk, on the kept rows only.
@@ -250,8 +253,8 @@ def fused_linear_policy_loss(
         bias: ``[V]`` lm_head bias or None; ``-inf`` entries make those tokens impossible.
         chunk_size: rows per lm_head chunk, in forward and backward; None: :func:`default_chunk_size` for
             each (the buffers of a chunk within :data:`DEFAULT_CHUNK_BYTES`).
-        alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, return_entropy, backend: as in
-            ``fused_policy_loss`` (the backend runs on each chunk's logits).
+        alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, return_entropy, backend, options:
+            as in ``fused_policy_loss`` (the backend runs on each chunk's logits).
 
     Returns:
         :class:`~openrlhf_lopti.algo.PolicyLossOutput` of fp32 ``[N]`` fields, equal to ``fused_policy_loss``
@@ -265,6 +268,10 @@ def fused_linear_policy_loss(
             ``bias`` and ``chunk_size``. And, as ``fused_policy_loss``, for the first unmasked row whose logits
             hold a NaN or +inf, or only -inf: ``"logits row i ..."`` with ``i`` its row in ``hidden``.
     """
+    alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, backend = astuple(resolve_options(
+        options, alpha=alpha, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, kl_coef=kl_coef,
+        kl_estimator=kl_estimator, temperature=temperature, backend=backend,
+    ))  # fmt: skip
     _check_linear_inputs(hidden, weight, bias, chunk_size, backend)
     n, v = hidden.shape[0], weight.shape[0]
     _check_row_inputs(

@@ -8,12 +8,14 @@ rows holding NaN / +inf in the pass it makes anyway, and the ``ValueError`` come
 """
 
 import math
+from dataclasses import astuple
 from typing import Optional
 
 import torch
 
 from ..algo import KL_ESTIMATORS, PolicyLossOutput, check_alpha, policy_loss_from_logits
 from ..algo.policy_loss import check_logit_rows
+from .loss_options import LossOptions, resolve_options
 
 BACKENDS = ("auto", "triton", "cpp", "torch")
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -165,6 +167,7 @@ def fused_policy_loss(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    options: Optional[LossOptions] = None,
 ) -> PolicyLossOutput:
     """Per-token PPO/GRPO policy loss with Advantage Reweighting and KL, straight from the logits.
 
@@ -187,6 +190,8 @@ def fused_policy_loss(
         return_entropy: also return the per-row entropy of ``softmax(logits / temperature)`` (differentiable).
         backend: ``"auto"`` (triton on CUDA, cpp on CPU when built, else torch), ``"triton"``, ``"cpp"``,
             ``"torch"``.
+        options: a :class:`~openrlhf_lopti.ops.LossOptions` holding ``alpha`` .. ``backend`` (what the front
+            ends pass), instead of those keywords.
 
     Returns:
         :class:`~openrlhf_lopti.algo.PolicyLossOutput`: fp32 ``loss``, ``logp``, ``kl``, bool ``clipped``,
@@ -201,6 +206,10 @@ def fused_policy_loss(
             over every row; reading the flags costs one device-to-host sync, on top of the one the input
             checks pay.
     """
+    alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, backend = astuple(resolve_options(
+        options, alpha=alpha, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, kl_coef=kl_coef,
+        kl_estimator=kl_estimator, temperature=temperature, backend=backend,
+    ))  # fmt: skip
     _check_inputs(
         logits, labels, old_log_probs, advantages, mask, ref_log_probs,
         alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, backend,

@@ -67,7 +67,7 @@ from trl.trainer.utils import (
 
 from openrlhf_lopti.algo import PHASE_NAMES, approx_kl, direction_metrics, plan_round, sum_direction_counts
 from openrlhf_lopti.models import lm_head_parts
-from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss
+from openrlhf_lopti.ops import LossOptions, fused_linear_policy_loss, fused_policy_loss
 
 from .config import LoptiGRPOConfig, refusals
 
@@ -280,17 +280,12 @@ class LoptiGRPOTrainer(GRPOTrainer):
         # the KL term is added after TRL's masks and IS ratio, which apply to the surrogate only: not folded in the kernel
         separate_kl = is_ratio is not None or self.args.use_bias_correction_kl or self.top_entropy_quantile < 1.0
         ref = inputs["ref_per_token_logps"][rows] if self.beta != 0.0 else None
-        options = dict(
-            ref_log_probs=None if separate_kl else ref,
-            alpha=self.args.ar_alpha,
-            eps_low=self.epsilon_low,
-            eps_high=self.epsilon_high,
-            kl_coef=0.0 if separate_kl else self.beta,
-            kl_estimator="k3",
-            temperature=self.temperature,
-            return_entropy=True,
+        loss_options = LossOptions(
+            alpha=self.args.ar_alpha, eps_low=self.epsilon_low, eps_high=self.epsilon_high,
+            kl_coef=0.0 if separate_kl else self.beta, kl_estimator="k3", temperature=self.temperature,
             backend=self.args.loss_backend,
-        )
+        )  # fmt: skip
+        options = dict(ref_log_probs=None if separate_kl else ref, return_entropy=True, options=loss_options)
         per_token = (labels, old[rows], advantages[rows], torch.ones_like(labels, dtype=torch.bool))
         kind, source = self._completion_outputs(model, inputs, rows)
         if kind == "hidden":
