@@ -18,6 +18,7 @@ from .lopti_round import (
     plan_round,
     round_threshold,
 )
+from .round_schedule import RoundSchedule
 from .policy_loss import (
     KL_ESTIMATORS,
     PolicyLossOutput,
@@ -37,6 +38,7 @@ __all__ = [
     "Phase",
     "THRESHOLD_FLOOR",
     "PolicyLossOutput",
+    "RoundSchedule",
     "approx_kl",
     "ar_weight",
     "check_alpha",
