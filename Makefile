@@ -75,7 +75,7 @@ $(VERL_VENV)/.installed: setup.py requirements/verl.txt requirements/constraints
 	touch $@
 
 test-verl: venv-verl
-	$(VERL_VENV)/bin/python -m pytest -q -W "ignore:.*engine is not available:UserWarning" tests/verl
+	$(VERL_VENV)/bin/python -m pytest -q --durations=10 -W "ignore:.*engine is not available:UserWarning" tests/verl
 
 clean-venv-verl:
 	rm -rf $(VERL_VENV)

@@ -82,8 +82,9 @@ if [ -n "$CPU" ]; then
   # a private Ray temp dir (short: Ray's socket paths must stay under 108 characters), removed at exit
   RAY_TMP=$(mktemp -d /tmp/verl-ray-XXXXXX)
   trap 'rm -rf "$RAY_TMP"' EXIT
-  mapfile -t CPU_ARGS < <("$PYTHON" -m openrlhf_lopti.verl.cpu overrides --ngpus "$NGPUS" --temp-dir "$RAY_TMP")
-  [ "${#CPU_ARGS[@]}" -gt 0 ] || { echo "CPU=1: python -m openrlhf_lopti.verl.cpu printed no overrides" >&2; exit 2; }
+  # main_ppo's CPU overrides (openrlhf_lopti/verl/cpu_overrides.py, run by path: it imports nothing of verl)
+  mapfile -t CPU_ARGS < <("$PYTHON" "$(dirname "$REWARD")/cpu_overrides.py" --ngpus "$NGPUS" --temp-dir "$RAY_TMP")
+  [ "${#CPU_ARGS[@]}" -gt 0 ] || { echo "CPU=1: cpu_overrides.py printed no overrides (NGPUS=$NGPUS)" >&2; exit 2; }
   ARGS+=(
     "${CPU_ARGS[@]}"
     # small defaults for a rehearsal: 2 RL steps of 2 prompts x 4 responses, 32 tokens, no validation
