@@ -8,7 +8,8 @@ Three runs, each once per module and read by several tests: GRPO and AR+Lopti un
 ``step:N - key:value - ...`` line per step) and the HF model verl saves after step 2.
 
 Time: each run is mostly start-up (Ray, vLLM's engine, two FSDP2 engines): about 3-4 minutes on the idle 2-core
-machine. A planted bad key must fail in seconds, before Ray starts, with one line.
+machine. A planted bad key must fail in seconds, before Ray starts, with one line; an error in a Ray worker must end the
+run with its line, not hang.
 """
 
 import os
@@ -158,3 +159,15 @@ def test_a_bad_key_fails_in_seconds_with_one_line(inputs):
     lines = [line for line in log.splitlines() if "ar_alpha: alpha must be in [0, 1], got 1.5" in line]
     assert lines, log[-3000:]
     assert "Started a local Ray instance" not in log  # refused before any cluster started
+
+
+def test_an_error_in_a_worker_ends_the_run_with_its_line(inputs):
+    """A setting Lopti refuses, found by the actor worker (a Ray actor) when it gets its loss function: main_ppo
+    exits non-zero with our one-line error in its output, without hanging (52 s at load 5, mostly start-up)."""
+    start = time.monotonic()
+    proc = launch(inputs, "ar+lopti", f"{ACTOR}.loss_agg_mode=seq-mean-token-mean", timeout=600)
+    elapsed, log = time.monotonic() - start, proc.stdout + proc.stderr
+    assert proc.returncode != 0 and elapsed < 500, (proc.returncode, elapsed)  # about 10x the 43-52 s measured
+    ours = "ConfigError: actor_rollout_ref.actor.loss_agg_mode: Lopti's two phases add up to one pass only for"
+    assert ours in log, log[-3000:]
+    assert "WorkerDict.actor_rollout_ref_init_model" in log  # raised in the worker, reported by the driver
