@@ -8,8 +8,8 @@ Three runs, each once per module and read by several tests: GRPO and AR+Lopti un
 ``step:N - key:value - ...`` line per step) and the HF model verl saves after step 2.
 
 Time: each run is mostly start-up (Ray, vLLM's engine, two FSDP2 engines): 1.7-3.7 minutes measured on the 2-core
-machine beside other work. A planted bad key must fail in seconds, before Ray starts, with one line; an error in a Ray worker must end the
-run with its line, not hang.
+machine beside other work. A planted bad key must fail in seconds, before Ray starts, with one line; an error in a Ray
+worker must end the run with its line, not hang.
 """
 
 import os
