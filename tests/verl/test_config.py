@@ -144,7 +144,7 @@ def test_phases_add_up_to_one_pass_exactly_for_the_modes_lopti_accepts(mode):
 
 
 @pytest.mark.parametrize("eta, order, quantile", [(0.3, "low_first", None), (0.8, "high_first", None),
-                                                  (0.25, "low_first", 0.4)])  # fmt: skip
+                                                  (None, "low_first", 0.4)])  # fmt: skip
 def test_the_users_lopti_settings_reach_the_round_unchanged(eta, order, quantile):
     """main_ppo's overrides -> verl's actor config -> the settings the worker's round runs with: a user's eta,
     order and quantile arrive as given (every other test uses the paper's 0.5; issue 37: an eta silently replaced
@@ -154,4 +154,4 @@ def test_the_users_lopti_settings_reach_the_round_unchanged(eta, order, quantile
 
     config = build_actor_config(eta=eta, order=order, quantile=quantile, alpha=0.2)
     assert (config.policy_loss.lopti_eta, config.policy_loss.lopti_order) == (eta, order)
-    assert round_settings(config) == (LoptiSettings(eta, order, quantile), 0.2)
+    assert round_settings(config) == (LoptiSettings(eta or 0.5, order, quantile), 0.2)  # eta unset: the paper's

@@ -28,7 +28,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "verl" / "train_kk_g
 ACTOR = "actor_rollout_ref.actor"
 # a quantile threshold: on a tiny random model every sampled token has p ~ 1/vocab, below any eta, and the high
 # phase would be empty (a user's eta reaching the round unchanged: test_config.py, test_worker.py)
-QUANTILE = 0.5
+QUANTILE_INSTEAD_OF_ETA = (f"++{ACTOR}.policy_loss.lopti_eta=null", f"++{ACTOR}.policy_loss.lopti_quantile=0.5")
 REWARD = Path(__file__).resolve().parent / "varied_reward.py"  # non-zero advantages on a tiny random model
 RUN_TIMEOUT = 1500  # s; a run takes 3-4 minutes idle, ~6 under load: 4x slack before calling it a hang
 
@@ -87,13 +87,12 @@ def grpo_v1(inputs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ar_lopti_v1(inputs, tmp_path_factory):
-    return run(inputs, tmp_path_factory, "ar+lopti", f"++{ACTOR}.policy_loss.lopti_quantile={QUANTILE}")
+    return run(inputs, tmp_path_factory, "ar+lopti", *QUANTILE_INSTEAD_OF_ETA)
 
 
 @pytest.fixture(scope="module")
 def ar_lopti_v0(inputs, tmp_path_factory):
-    return run(inputs, tmp_path_factory, "ar+lopti", f"++{ACTOR}.policy_loss.lopti_quantile={QUANTILE}",
-               "trainer.use_v1=false")  # fmt: skip
+    return run(inputs, tmp_path_factory, "ar+lopti", *QUANTILE_INSTEAD_OF_ETA, "trainer.use_v1=false")
 
 
 def saved_minus_initial(result, inputs) -> float:
