@@ -134,7 +134,7 @@ def refusals(args: LoptiGRPOConfig, num_processes: int = 1, peft: bool = False, 
             "phase ends on an optimizer step"
         )
     elif args.lopti and args.max_steps > 0:
-        per_round = 2 * args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
+        per_round = optimizer_steps_per_round(args)
         if args.max_steps % per_round:
             out.append(
                 f"max_steps={args.max_steps} would stop between the two Lopti phases of a round: a round is {per_round} "
@@ -142,3 +142,9 @@ def refusals(args: LoptiGRPOConfig, num_processes: int = 1, peft: bool = False, 
                 f"use a multiple of {per_round}"
             )
     return out
+
+
+def optimizer_steps_per_round(args: LoptiGRPOConfig) -> int:
+    """Optimizer steps of one Lopti round: 2 phases x ``steps_per_generation x num_iterations`` micro-steps /
+    ``gradient_accumulation_steps`` (a whole number: :func:`refusals` refuses the rest)."""
+    return 2 * args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
