@@ -35,6 +35,22 @@ def test_eta_zero_means_lopti_off_as_in_the_openrlhf_cli():
     assert err.value.field == "eta"
 
 
+def test_eta_and_a_quantile_together_are_refused_naming_both():
+    """algo's one rule (docs/LOPTI_ROUND.md); a quantile alone, or eta alone, is accepted. (Before: the quantile won
+    and --eta was ignored without a word.)"""
+    from openrlhf_lopti.errors import UserError
+    from openrlhf_lopti.local.cli import build_parser, config_from_args
+
+    with pytest.raises(ConfigError, match="^eta=0.3 and lopti_quantile=0.2 are two Lopti thresholds") as err:
+        make(lopti=True, eta=0.3, lopti_quantile=0.2)
+    assert err.value.field == "eta"
+    argv = ["--model", "m", "--out", "o", "--lopti", "--eta", "0.3", "--lopti-quantile", "0.2"]
+    with pytest.raises(UserError, match="^--eta=0.3 and lopti_quantile=0.2 are two Lopti thresholds"):
+        config_from_args(build_parser().parse_args(argv))
+    assert make(lopti_quantile=0.2).lopti_settings.quantile == 0.2 and make(lopti=True, eta=0.3).lopti_settings.eta == 0.3
+    assert make(lopti=True).lopti_settings.eta == 0.5  # eta unset: the paper's
+
+
 def test_presets_and_method_names():
     assert METHODS["ar"][0] == 0.3  # the paper's K&K alpha
     names = {m: make(**method_settings(m)).method for m in METHODS}

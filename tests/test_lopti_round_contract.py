@@ -99,6 +99,38 @@ def test_every_front_end_maps_its_options_to_the_same_settings(name, local, open
     assert trl_cfg.lopti_settings == expected
 
 
+def test_every_front_end_refuses_eta_and_a_quantile_together_in_one_line_naming_both(tmp_path, capsys):
+    """algo.lopti_settings' one rule (docs/LOPTI_ROUND.md): two thresholds, neither silently wins. (Before: the
+    quantile won in every front end and eta was ignored without a word.)"""
+    from openrlhf_lopti.algo import lopti_settings
+    from openrlhf_lopti.local.config import TrainConfig
+
+    def refusal(build) -> str:
+        with pytest.raises(ValueError) as info:
+            build()
+        message = str(info.value)
+        assert "\n" not in message and "two Lopti thresholds" in message, message
+        return message
+
+    assert "eta=0.3 and quantile=0.2" in refusal(lambda: lopti_settings(True, 0.3, "low_first", 0.2))
+    message = refusal(lambda: TrainConfig(model="m", out="o", lopti=True, eta=0.3, lopti_quantile=0.2))
+    assert "eta=0.3" in message and "lopti_quantile=0.2" in message
+    pytest.importorskip("openrlhf")
+    from openrlhf_lopti.cli.train_ppo_ray import parse_args
+
+    base = ["--actor.model_name_or_path", "m", "--reward.remote_url", "reward.py"]
+    with pytest.raises(SystemExit):  # the CLI's argparse error: usage, then one line
+        parse_args(base + ["--algo.lopti.eta", "0.3", "--algo.lopti.quantile", "0.2"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--algo.lopti.eta=0.3 and --algo.lopti.quantile=0.2 are two Lopti thresholds" in line
+    pytest.importorskip("trl")
+    from openrlhf_lopti.trl import LoptiGRPOConfig
+
+    trl = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, lopti_eta=0.3, lopti_quantile=0.2)
+    assert "lopti_eta=0.3 and lopti_quantile=0.2" in refusal(lambda: LoptiGRPOConfig(**trl))
+    # verl's key (actor_rollout_ref.actor.policy_loss.lopti_eta / .lopti_quantile): tests/verl/test_config.py
+
+
 @pytest.mark.parametrize("name, local, openrlhf, trl, expected", SETTINGS, ids=[s[0] for s in SETTINGS])
 def test_the_local_trainer_plans_algos_round(name, local, openrlhf, trl, expected):
     from openrlhf_lopti.local.config import TrainConfig

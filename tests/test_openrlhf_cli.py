@@ -57,6 +57,7 @@ def test_launch_without_the_gpu_stack_says_so():
         (["--algo.ar.alpha", "nan"], "argument --algo.ar.alpha: alpha must be in [0, 1]"),
         (["--algo.lopti.eta", "x"], "argument --algo.lopti.eta: not a number: 'x'"),
         (["--algo.lopti.eta", "0.5", "--algo.lopti.quantile", "1"], "argument --algo.lopti.quantile: quantile"),
+        (["--algo.lopti.eta", "0.5", "--algo.lopti.quantile", "0.3"], "--algo.lopti.eta=0.5 and --algo.lopti.quantile=0.3"),
         (["--algo.lopti.order", "middle"], "argument --algo.lopti.order: invalid choice"),
         (["--algo.lopti.denominator", "some"], "argument --algo.lopti.denominator: invalid choice"),
         (["--actor.fused_loss", "cuda"], "argument --actor.fused_loss: invalid choice"),

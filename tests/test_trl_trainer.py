@@ -320,6 +320,7 @@ def test_kk_run_checkpoint_and_metrics(tmp_path, tok):
         (dict(lopti_eta=0.0), "lopti_eta"),
         (dict(lopti_eta=0.5, lopti_order="middle"), "lopti_order"),
         (dict(lopti_quantile=1.0), "lopti_quantile"),
+        (dict(lopti_eta=0.5, lopti_quantile=0.3), "lopti_eta=0.5 and lopti_quantile=0.3 are two Lopti thresholds"),
         (dict(loss_backend="cuda"), "loss_backend"),
         (dict(ar_alpha=0.3, fused_loss=False), "fused_loss"),
         (dict(loss_type="cispo"), "loss_type"),

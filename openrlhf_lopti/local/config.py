@@ -50,7 +50,7 @@ class TrainConfig:
     estimator: str = "grpo"  # "grpo" (group-normalised) or "reinforce++" (batch-whitened, KL in reward)
     alpha: float = 0.0  # AR strength (0 = off)
     lopti: bool = False
-    eta: float = 0.5  # Lopti probability threshold
+    eta: Optional[float] = None  # Lopti probability threshold; None: the paper's 0.5 (not with lopti_quantile)
     lopti_order: str = "low_first"
     lopti_quantile: Optional[float] = None
     lopti_moments: str = "shared"  # "per-phase": each phase its own optimizer state (opt-in; not the paper's)
@@ -107,7 +107,7 @@ class TrainConfig:
         # algo's own checks, one argument at a time so that the error names the field
         checks = (
             ("alpha", lambda: check_alpha(self.alpha)),
-            ("eta", lambda: self.eta == 0 or check_lopti_args(self.eta, "low_first", None)),
+            ("eta", lambda: self.eta in (None, 0) or check_lopti_args(self.eta, "low_first", None)),
             ("lopti_order", lambda: check_lopti_args(0.5, self.lopti_order, None)),
             ("lopti_quantile", lambda: check_lopti_args(0.5, "low_first", self.lopti_quantile)),
         )
@@ -122,6 +122,10 @@ class TrainConfig:
         if self.lopti and self.eta == 0:  # eta 0 is "Lopti off", as OpenRLHF's --algo.lopti.eta 0
             raise ConfigError("eta", "eta 0 means Lopti off (as --algo.lopti.eta 0 in the OpenRLHF CLI), but lopti "
                               "is on (--lopti or a lopti --method): give eta in (0, 1], or turn Lopti off")  # fmt: skip
+        try:  # algo's rule: eta and lopti_quantile are two thresholds, refused together
+            self.lopti_settings  # noqa: B018
+        except ValueError as e:
+            raise ConfigError("eta", str(e)) from None
         positive_ints = ("steps", "prompts_per_step", "n_samples", "max_new_tokens", "mini_batch_size", "epochs")
         for name in positive_ints + ("save_every", "eval_n_samples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -195,7 +199,7 @@ class TrainConfig:
     @property
     def lopti_settings(self) -> Optional[LoptiSettings]:
         """The round's settings (``algo.lopti_settings``), or None without Lopti."""
-        return lopti_settings(self.lopti, self.eta, self.lopti_order, self.lopti_quantile)
+        return lopti_settings(self.lopti, self.eta, self.lopti_order, self.lopti_quantile, ("eta", "lopti_quantile"))
 
     @property
     def method(self) -> str:

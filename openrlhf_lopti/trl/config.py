@@ -16,6 +16,7 @@ from openrlhf_lopti.ops import BACKENDS
 # TRL loss types whose per-token term is the PPO clipped surrogate ``fused_policy_loss`` computes; they differ
 # only in how the per-token losses are normalised, and those normalisations are kept.
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+LOPTI_KEYS = ("lopti_eta", "lopti_quantile")  # the two thresholds' names, for algo.lopti_settings' refusal
 
 
 @dataclass
@@ -27,7 +28,7 @@ class LoptiGRPOConfig(GRPOConfig):
         lopti_eta: Lopti's probability threshold in (0, 1] (paper: 0.5), or None for no Lopti.
         lopti_order: ``"low_first"`` (Lopti) or ``"high_first"`` (the paper's ablation, which collapses).
         lopti_quantile: if set, in (0, 1): the threshold is this quantile of the generation batch's token
-            probabilities over every process, instead of ``lopti_eta``; it turns Lopti on by itself.
+            probabilities over every process; it turns Lopti on by itself. Not with ``lopti_eta`` (refused).
         fused_loss: compute the per-token loss with ``openrlhf_lopti.ops.fused_policy_loss`` (needed by AR and
             Lopti). False with AR and Lopti off runs TRL's own loss, untouched.
         fused_lm_head: with ``fused_loss``: ``fused_linear_policy_loss`` on the last hidden states and the
@@ -60,7 +61,7 @@ class LoptiGRPOConfig(GRPOConfig):
     @property
     def lopti_settings(self) -> Optional[LoptiSettings]:
         """The round's settings (``algo.lopti_settings``), or None without Lopti."""
-        return lopti_settings(self.lopti, self.lopti_eta, self.lopti_order, self.lopti_quantile)
+        return lopti_settings(self.lopti, self.lopti_eta, self.lopti_order, self.lopti_quantile, keys=LOPTI_KEYS)
 
     def __post_init__(self):
         super().__post_init__()
@@ -76,6 +77,7 @@ class LoptiGRPOConfig(GRPOConfig):
                 raise ValueError(f"lopti_{str(error).split()[0]}: {error}") from None
         elif self.lopti_order not in ("low_first", "high_first"):
             raise ValueError(f"lopti_order must be 'low_first' or 'high_first', got {self.lopti_order!r}")
+        self.lopti_settings  # noqa: B018 - raises on algo's rule: the two thresholds together are refused
         if self.loss_backend not in BACKENDS:
             raise ValueError(f"loss_backend must be one of {BACKENDS}, got {self.loss_backend!r}")
         problems = refusals(self, num_processes=self.world_size)

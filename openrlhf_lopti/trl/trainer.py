@@ -52,8 +52,10 @@ TRL's loss.
 Refused at construction with one line (``config.refusals``): loss types that are not the clipped surrogate
 (cispo, sapo, vespo), sequence-level importance sampling, ``delta``, ``off_policy_mask_threshold``,
 ``use_adaptive_entropy``, an entropy mask together with Lopti, a ``max_steps`` that cuts a round, multimodal
-models, and ``fused_lm_head`` on more than one process / with PEFT / with ``cast_lm_head_to_fp32``. With ``fused_loss=False`` and AR and Lopti
-off, this is TRL's trainer unchanged.
+models, and ``fused_lm_head`` on more than one process / with PEFT / with ``cast_lm_head_to_fp32``; ``lopti_eta``
+with ``lopti_quantile`` (``algo.lopti_settings``). A reward function that returns NaN or inf fails the generation
+in one line naming it (``reward_check``). With ``fused_loss=False`` and AR and Lopti off, this is TRL's trainer
+unchanged but for that check.
 """
 
 import os
