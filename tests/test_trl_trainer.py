@@ -354,18 +354,6 @@ def test_trainer_needs_our_config(tmp_path, tok):
                          train_dataset=kk_dataset(), processing_class=tok)  # fmt: skip
 
 
-def test_example_script_cpu_rehearsal(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "trl" / "train_kk_grpo_ar_lopti.py"
-    spec = importlib.util.spec_from_file_location("train_kk_grpo_ar_lopti", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    assert example.main(["--cpu", "--output-dir", str(tmp_path), "--max-steps", "4"]) == 0  # one round: 2 phases x 2 steps
-    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "tokenizer.json").exists()
-
-
 def test_same_update_as_local_trainer(tmp_path, tok):
     """The TRL trainer and our local trainer (``local.update.update_policy``) give the same Lopti + AR update on
     the same tokens and advantages: both within fp32 rounding of the hand-written round's float64 run."""
