@@ -9,7 +9,8 @@
 #
 # With the device tool: run(command="bash benchmarks/gpu_session.sh", carry=[".gpu-wheels"], timeout_s=600).
 # The image (Python 3.12, torch 2.11, Triton 3.6, transformers 5.17, accelerate; no internet) lacks trl, datasets
-# (+ dill, multiprocess), liger-kernel and openrlhf: --fetch-wheels downloads them with --no-deps into the
+# (+ dill, multiprocess), liger-kernel and openrlhf (+ pylatexenc, which its loss module imports): --fetch-wheels
+# downloads them with --no-deps into the
 # git-ignored .gpu-wheels/, and the session installs them into a temporary --target before its first step.
 # Without CUDA it refuses in one line (exit 2). Logs and JSON go to $OUT when set (the device tool's folder that
 # comes back), else to a temporary folder; the report is what it prints.
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.." || exit 2
 PYTHON=${PYTHON:-python3}
 WHEELS=${WHEELS:-.gpu-wheels}
 BUDGET=${GPU_SESSION_BUDGET_S:-570}
-WHEEL_PINS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 openrlhf==0.11.2)
+WHEEL_PINS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 openrlhf==0.11.2 pylatexenc==3.0a33)
 
 # name | budget s | command (run by bash from the repository root, $PYTHON and $LOGS set)
 STEPS=(
