@@ -19,7 +19,7 @@ DISTRIBUTION = "openrlhf-lopti"
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-def _checkout() -> Optional[Path]:
+def checkout() -> Optional[Path]:
     """The source checkout this copy is imported from (a setup.py beside the package), else None."""
     root = PACKAGE_DIR.parent
     return root if (root / "setup.py").is_file() and (root / "csrc").is_dir() else None
@@ -44,9 +44,9 @@ def _recorded_source() -> Optional[dict]:
 def pip_install(extra: str = "") -> str:
     """A command that installs this package (with ``extra``, e.g. ``"trl"``) from where this copy came from."""
     suffix = f"[{extra}]" if extra else ""
-    checkout = _checkout()
-    if checkout is not None:
-        return f'pip install -e "{checkout}{suffix}"'
+    root = checkout()
+    if root is not None:
+        return f'pip install -e "{root}{suffix}"'
     source = _recorded_source()
     if source and source.get("url"):
         url = source["url"]

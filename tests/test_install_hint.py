@@ -39,7 +39,7 @@ def test_from_a_checkout_the_command_installs_that_checkout():
     ids=["git-tag", "git", "folder", "editable-folder", "wheel-file", "index"],
 )
 def test_an_installed_copy_gets_the_source_pip_recorded(monkeypatch, recorded, command):
-    monkeypatch.setattr(install, "_checkout", lambda: None)
+    monkeypatch.setattr(install, "checkout", lambda: None)
     monkeypatch.setattr(install, "_recorded_source", lambda: recorded)
     assert install.pip_install("trl") == command
 

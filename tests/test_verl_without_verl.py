@@ -11,8 +11,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # from a checkout, the command installs the extra from that checkout (the package is on no index)
-MESSAGE = ("openrlhf_lopti.verl needs verl 0.9.1, in its own environment (it needs transformers<5.11): in a fresh "
-           f'venv, pip install -e "{REPO}[verl]" (see docs/VERL.md)')
+MESSAGE = ("openrlhf_lopti.verl needs verl 0.9.1, in its own environment (it needs transformers<5.11): "
+           f'make -C "{REPO}" venv-verl, then use {REPO}/.venv-verl/bin/python (see docs/VERL.md)')
 
 
 def test_importing_the_verl_front_end_without_verl_raises_one_line(monkeypatch):
