@@ -6,6 +6,7 @@ torch 2.13.0+cpu (this environment's, linked), would install no other torch and 
 The dry runs ask the package index (as a user's pip does): about 30-60 s each here, two of them.
 """
 
+import importlib.util
 import json
 import re
 import shlex
@@ -141,3 +142,21 @@ def test_the_cpu_block_resolves_without_another_torch_or_cuda(key, tmp_path):
         assert not [n for n in names if NOT_ON_CPU.fullmatch(canonicalize_name(n))], names
         if "[trl]" in " ".join(args):
             assert "trl" in names, names
+
+
+def test_the_example_scripts_the_blocks_run_take_those_arguments():
+    # A block's first run of an example script (`python examples/<...>.py ...`) parses with that script's own parser.
+    ran = 0
+    for commands in BLOCKS.values():
+        for command in commands:
+            words = shlex.split(command)
+            if words[:1] == ["python"] and len(words) > 1 and words[1].startswith("examples/"):
+                spec = importlib.util.spec_from_file_location("install_block_example", REPO / words[1])
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)  # its parser; __main__ does not run
+                try:
+                    module.parse_args(words[2:])
+                except SystemExit as exc:
+                    pytest.fail(f"`{command}` does not parse: exit {exc.code}")
+                ran += 1
+    assert ran >= 1
