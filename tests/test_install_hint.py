@@ -113,3 +113,39 @@ def test_no_jit_says_how_to_turn_the_build_back_on(fresh_loader, tmp_path):
     (tmp_path / "built-for").write_text("0.0.1\n")
     fresh_loader.setenv("OPENRLHF_LOPTI_NO_JIT", "1")
     assert "unset it to build the kernel at first use" in unavailable_warning()
+
+
+QUIET_IMPORT = """
+import logging, sys, torch
+torch.cuda._is_compiled = lambda: True  # as a CUDA build of torch on a machine without a GPU
+torch.version.cuda = "13.0"
+torch.cuda.is_available = lambda: False
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger("torch.utils.cpp_extension").addHandler(handler)  # torch's loggers may not propagate
+if sys.argv[1] == "ours":
+    from openrlhf_lopti.ops.cpp_policy_loss import _quiet_import_of_the_builder
+    builder = _quiet_import_of_the_builder()
+else:
+    import torch.utils.cpp_extension as builder
+print(builder.CUDA_HOME, [r.getMessage() for r in records if r.name == "torch.utils.cpp_extension"])
+"""
+
+
+def test_the_build_does_not_print_torchs_no_cuda_runtime_line(tmp_path):
+    # torch's builder, imported in a CUDA build of torch without a GPU, logs "No CUDA runtime is found": the JIT
+    # build of the CPU kernel imports it with that line dropped (and only while it imports).
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUDA_HOME=str(tmp_path))
+    said = {}
+    for how in ("plain", "ours"):
+        run = subprocess.run([sys.executable, "-c", QUIET_IMPORT, how], env=env, capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        said[how] = run.stdout.strip().splitlines()[-1]
+    assert said["plain"] == f"{tmp_path} [\"No CUDA runtime is found, using CUDA_HOME='{tmp_path}'\"]", said
+    assert said["ours"] == f"{tmp_path} []", said

@@ -64,6 +64,19 @@ def _stale_extension_reason() -> Optional[str]:
     return None
 
 
+def _quiet_import_of_the_builder():
+    """``torch.utils.cpp_extension``, imported without the "No CUDA runtime is found" line it logs on a machine
+    without a GPU when torch is a CUDA build: nothing for a user of the CPU kernel to act on."""
+    builder_log = logging.getLogger("torch.utils.cpp_extension")
+    level = builder_log.level
+    builder_log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        builder_log.setLevel(level)
+    return cpp_extension
+
+
 def _jit_build() -> None:
     csrc = _csrc()
     sources = sorted(str(p) for p in csrc.glob("*.cpp"))
@@ -82,15 +95,7 @@ def _jit_build() -> None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             raise _CannotBuild("torch builds C++ extensions with ninja, not installed: pip install ninja") from None
-    # torch's builder logs "No CUDA runtime is found" when imported with a CUDA torch on a machine without a GPU:
-    # nothing for a CPU kernel's user to act on
-    builder_log = logging.getLogger("torch.utils.cpp_extension")
-    level = builder_log.level
-    builder_log.setLevel(logging.ERROR)
-    try:
-        from torch.utils import cpp_extension
-    finally:
-        builder_log.setLevel(level)
+    cpp_extension = _quiet_import_of_the_builder()
     build_dir = None  # torch's default honours $TORCH_EXTENSIONS_DIR
     if not os.environ.get("TORCH_EXTENSIONS_DIR"):
         tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.split('+')[0]}"
