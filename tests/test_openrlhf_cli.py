@@ -21,8 +21,9 @@ BASE = ["--actor.model_name_or_path", "m", "--reward.remote_url", "reward.py"]
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
+    # timeout: a hang guard (seconds when idle), wide enough for a machine busy with other work
     return subprocess.run(
-        [sys.executable, "-m", MODULE, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+        [sys.executable, "-m", MODULE, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=600
     )
 
 

@@ -1138,6 +1138,45 @@ def test_tokens_at_the_threshold_train_in_the_high_phase(env, spy_upstream_step)
     assert high_tokens == (response & ~low).sum()
 
 
+@pytest.mark.parametrize("denominator", ["all", "phase"])
+def test_every_phase_trains_the_tokens_the_round_put_in_it(denominator, env, spy_upstream_step):
+    """The trainer reads each phase's mask from ``plan_round``, never re-derives one from another: here the round
+    (planted through the trainer's ``plan_round``) puts in "high" only the tokens of p >= 0.8, not every response
+    token that is not "low" (p = 0.6 too), and only those train in the high phase (a trainer taking "high" as the
+    complement of "low" trains the p = 0.6 tokens too)."""
+    import openrlhf_lopti.openrlhf.trainer as trainer_module
+
+    real_plan_round = trainer_module.plan_round
+
+    def planted(old_log_probs, response, *args, **kwargs):
+        lopti_round = real_plan_round(old_log_probs, response, *args, **kwargs)
+        for phase in lopti_round.phases:
+            if phase.name == "high":
+                phase.mask = phase.mask & (old_log_probs.exp() >= 0.8)
+                phase.tokens = int(phase.mask.sum())
+        return lopti_round
+
+    env.monkeypatch.setattr(trainer_module, "plan_round", planted)
+
+    def three_levels(experience):  # responses 0-2: p = 0.2 (low), 3-5: p = 0.6, 6-7: p = 0.9
+        row = torch.arange(len(experience.sequences))[:, None]
+        p = torch.where(row < 3, 0.2, torch.where(row < 6, 0.6, 0.9)).expand_as(experience.action_log_probs)
+        experience.action_log_probs = torch.log(p) * experience.action_mask
+
+    args = make_args("--algo.lopti.eta", "0.5", "--algo.lopti.denominator", denominator)
+    run = train_round(env, Lopti, args, edit=three_levels)
+    assert {call["phase"] for call in spy_upstream_step} == {"low", "high"}
+    for call in spy_upstream_step:
+        p = call["old"].exp()
+        expected = call["response"] & ((p < 0.5) if call["phase"] == "low" else (p >= 0.8))
+        assert torch.equal(call["mask"].bool(), expected), call["phase"]
+        assert torch.all(call["advantages"][~expected] == 0)
+    response = run.experience.action_mask
+    row = torch.arange(len(response))[:, None]
+    trained_high = sum(int(call["mask"].sum()) for call in spy_upstream_step if call["phase"] == "high")
+    assert trained_high == int((response & (row >= 6)).sum()) < int((response & (row >= 3)).sum())
+
+
 def test_a_batch_of_one_response_token(env, spy_upstream_step):
     """One token in the whole batch: its phase trains on it (a token mean over 1 token), the other is skipped."""
 

@@ -166,9 +166,11 @@ def plan_round(
         response = response_mask.bool()
     old = old_log_probs.detach()
     probs = old.to(torch.promote_types(old.dtype, torch.float32)).exp()
+    # Every sum selects the response tokens (``&``, ``where``), never multiplies by the mask: a masked position may
+    # hold anything (NaN or inf padding), and NaN * 0 is NaN.
     sums = {"tokens": float(response.sum()), "nan_tokens": float((torch.isnan(probs) & response).sum())}
     if ar_alpha > 0:
-        sums["ar_weight"] = float((ar_weight(old, ar_alpha) * response).sum())
+        sums["ar_weight"] = float(torch.where(response, ar_weight(old, ar_alpha), 0.0).sum())
     threshold, low = None, None
     if lopti is not None:
         threshold = round_threshold(probs[response & ~torch.isnan(probs)], lopti, gather)

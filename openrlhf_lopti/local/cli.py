@@ -101,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
             kind = type(default) if default is not None else str
             text = HELP[f.name] if default is None else f"{HELP[f.name]} (default {default})"
             p.add_argument(flag, type=kind, help=text)
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1, as the demo: on a machine busy with other work more threads "
+                   "spin-wait for each other, several times slower; 0: torch's choice)")  # fmt: skip
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     mode.add_argument("--overwrite", action="store_true",
@@ -148,8 +150,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_transformers()
+    if args.threads < 0:
+        raise UserError(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
     cfg = config_from_args(args)
-    if getattr(args, "threads", 0):
+    if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
