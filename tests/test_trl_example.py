@@ -92,6 +92,7 @@ def test_the_cpu_commands_run_as_written(line, words, tmp_path):
     processes, _, argv = launched(words)
     launcher = {"python": sys.executable, "torchrun": str(Path(sys.executable).parent / "torchrun")}[words[0]]
     env = {**os.environ, "PET_MASTER_PORT": str(free_port()),  # torchrun's --master-port (another run may hold 29500)
+           "OMP_NUM_THREADS": "1",  # torchrun's own default per process; 2 threads on a busy 2-core machine: 4x slower
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
     result = subprocess.run([launcher, *words[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
