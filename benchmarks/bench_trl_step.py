@@ -53,7 +53,8 @@ VARIANTS = {
     "ar+lopti_logits": ("LoptiGRPOTrainer", "logits path", "ar+lopti", {"ar": True, "lopti": True}),
     "grpo_fused": ("LoptiGRPOTrainer", "fused lm_head", "grpo", {"fused_lm_head": True}),
     "ar_fused": ("LoptiGRPOTrainer", "fused lm_head", "ar", {"ar": True, "fused_lm_head": True}),
-    "ar+lopti_fused": ("LoptiGRPOTrainer", "fused lm_head", "ar+lopti", {"ar": True, "lopti": True, "fused_lm_head": True}),
+    "ar+lopti_fused": ("LoptiGRPOTrainer", "fused lm_head", "ar+lopti",
+                       {"ar": True, "lopti": True, "fused_lm_head": True}),
 }  # fmt: skip
 BASELINE = "trl"
 
@@ -131,8 +132,9 @@ def run_variant(name: str, model, tokenizer, batch: dict, args, work: str, log: 
     else:
         from openrlhf_lopti.trl import LoptiGRPOConfig, LoptiGRPOTrainer
 
-        ours = dict(ar_alpha=args.ar_alpha if options.get("ar") else 0.0, fused_lm_head=bool(options.get("fused_lm_head")),
-                    lopti_quantile=args.low_share if lopti else None)  # fmt: skip
+        ours = {"ar_alpha": args.ar_alpha if options.get("ar") else 0.0,
+                "fused_lm_head": bool(options.get("fused_lm_head")),
+                "lopti_quantile": args.low_share if lopti else None}
         trainer_cls, config = LoptiGRPOTrainer, LoptiGRPOConfig(**settings, **ours)
     dataset = Dataset.from_list([{"prompt": "x"}] * (batches * args.responses))
     steps: list = []

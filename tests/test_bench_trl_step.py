@@ -13,7 +13,8 @@ from openrlhf_lopti.errors import UserError  # noqa: E402
 
 RESPONSES, RESPONSE_TOKENS = 4, 8
 TINY = ["--shape", "tiny", "--variants", "trl,ar+lopti_fused", "--responses", str(RESPONSES), "--prompt-tokens", "4",
-        "--response-tokens", str(RESPONSE_TOKENS), "--micro-batch-size", "2", "--warmup", "1", "--repeats", "1"]  # fmt: skip
+        "--response-tokens", str(RESPONSE_TOKENS), "--micro-batch-size", "2",
+        "--warmup", "1", "--repeats", "1"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_each_variant_trains_the_batch_with_its_trainer(tiny_run):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--responses", "6", "--micro-batch-size", "4"], "--responses must be >= 2 and a multiple of --micro-batch-size 4"),
+        (["--responses", "6", "--micro-batch-size", "4"], "--responses must be >= 2 and a multiple of --micro-batch"),
         (["--low-share", "1"], "--low-share must be in (0, 1)"),
         (["--variants", "trl,nope"], "nope"),
     ],

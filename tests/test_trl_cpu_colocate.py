@@ -5,7 +5,7 @@ fp32 engine, 6 optimizer steps = 3 generations, so 2 syncs of moved weights plus
 rank's record is checked for:
 
 - the fp32 engine: vLLM's sampled log-probs equal the fp32 training model's, TRL's
-  ``sampling/sampling_logp_difference/max`` below 1e-4 at every generation (measured: below 1e-6);
+  ``sampling/sampling_logp_difference/max`` below 1e-4 at every generation (measured: 5e-7 to 1.1e-6);
 - the sync reaches vLLM's kernels: after the run, the engine (last synced 2 steps earlier) is off the trained
   weights; one more ``sync_weights`` brings it within 1e-4 of them and leaves it far from the first weights;
 - the environment: ``VLLM_CPU_KVCACHE_SPACE`` and ``VLLM_CACHE_ROOT`` get their defaults when unset (the cache in
@@ -86,7 +86,8 @@ def two_processes(model_dir, one_process, tmp_path_factory) -> tuple:
     _, first_out, _ = one_process
     cache_root = first_out / "run" / CACHE_DIR
     out = tmp_path_factory.mktemp("two") / "out"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    port = str(free_port())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
     command = torchrun + [str(SCRIPT), str(model_dir), str(out), "float32", str(STEPS)]
     return run_launch(command, out, 2, {"VLLM_CACHE_ROOT": str(cache_root)}), cache_root
 
@@ -97,14 +98,18 @@ def check_run(record: dict, world_size: int) -> list:
     assert record["engine_dtype"] == "torch.float32"  # vLLM's "auto" would have made a bf16 engine
     assert record["global_step"] == STEPS
     history = record["log_history"]
-    differences = [h["sampling/sampling_logp_difference/max"] for h in history if "sampling/sampling_logp_difference/max" in h]
+    key = "sampling/sampling_logp_difference/max"
+    differences = [h[key] for h in history if key in h]
     assert len(differences) == STEPS // 2, differences  # one generation per round, a sync before each
     assert max(differences) < PARITY, differences
-    assert any(h.get("lopti/low/tokens", 0) > 0 for h in history) and any(h.get("lopti/high/tokens", 0) > 0 for h in history)
+    for phase in ("low", "high"):  # both Lopti phases trained tokens
+        assert any(h.get(f"lopti/{phase}/tokens", 0) > 0 for h in history), phase
     stale, synced = record["probe_before_sync"], record["probe_after_sync"]
     assert stale["trained"] > STALE, stale  # the engine still has the weights of its last sync
     assert synced["trained"] < PARITY, synced  # one sync: exactly the trained weights, in vLLM's kernels too
     assert synced["first"] > STALE, synced
+    print(f"rank of {world_size}: engine vs trained weights {stale['trained']:.2f} before the last sync, "
+          f"{synced['trained']:.1e} after; vs the first weights {synced['first']:.2f}")  # fmt: skip
     return differences
 
 
@@ -141,7 +146,7 @@ def test_environment_defaults_only_where_unset(tmp_path):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"vllm_mode": "server"}, "use_vllm with vllm_mode='server' on CPU: TRL's weight sync to a vLLM server needs CUDA"),
+        ({"vllm_mode": "server"}, "use_vllm with vllm_mode='server' on CPU: TRL's weight sync to a vLLM server needs"),
         ({"vllm_enable_sleep_mode": True}, "vllm_enable_sleep_mode=True on CPU: vLLM has no sleep mode on CPU"),
         ({"vllm_dtype": "fp32"}, "vllm_dtype must be one of ('auto', 'float32', 'bfloat16', 'float16'), got 'fp32'"),
     ],
