@@ -150,6 +150,7 @@ def test_environment_defaults_only_where_unset(tmp_path):
         ({"vllm_mode": "server"}, "use_vllm with vllm_mode='server' on CPU: TRL's weight sync to a vLLM server needs"),
         ({"vllm_enable_sleep_mode": True}, "vllm_enable_sleep_mode=True on CPU: vLLM has no sleep mode on CPU"),
         ({"vllm_dtype": "fp32"}, "vllm_dtype must be one of ('auto', 'float32', 'bfloat16', 'float16'), got 'fp32'"),
+        ({"vllm_mode": "server", "vllm_dtype": "float32"}, "vllm_dtype='float32' sets the colocated engine's dtype"),
     ],
 )
 def test_what_cannot_run_on_cpu_is_refused_in_one_line(tmp_path, options, message):

@@ -42,6 +42,9 @@ def refusals(args) -> list:
     out = []
     if args.vllm_dtype not in VLLM_DTYPES:
         out.append(f"vllm_dtype must be one of {VLLM_DTYPES}, got {args.vllm_dtype!r}")
+    elif args.use_vllm and args.vllm_mode == "server" and args.vllm_dtype != "auto":
+        out.append(f"vllm_dtype={args.vllm_dtype!r} sets the colocated engine's dtype; a vLLM server's is set where "
+                   "it starts (trl vllm-serve --dtype)")  # fmt: skip
     if not vllm_on_cpu(args):
         return out
     if args.vllm_mode == "server":
