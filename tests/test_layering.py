@@ -5,6 +5,8 @@ The layers, top to bottom, as the code is (ARCHITECTURE.md's map, where the code
 
 - ``__main__`` and ``cli/``: the entry points;
 - the front ends ``openrlhf/``, ``trl/``, ``verl/``: adapters, none imports another;
+- ``vllm_cpu.py``: vLLM's CPU backend with weights that change (keep and repack after a sync), shared by the front
+  ends that generate with vLLM; the one unit below the front ends that imports a framework (vllm, nothing else);
 - ``audit/``: diagnostics and the multi-seed study; it drives the local trainer and warms up the demo's model,
   so it sits above both;
 - ``demo/``: the demo, its warm-up and the tiny-model builders; it drives the local trainer (never the reverse);
@@ -18,8 +20,9 @@ The layers, top to bottom, as the code is (ARCHITECTURE.md's map, where the code
 Rules: a module imports its own unit (top-level package or module) and units of lower layers only; two units of
 one layer never import each other; a front end imports nothing of audit/, demo/ or local/ (the local trainer is a
 front end too: what front ends share lies below it); nothing below the front ends imports openrlhf, trl, verl,
-ray, deepspeed or vllm; nothing imports the top-level ``benchmarks`` package (one named exception below). Lazy
-imports inside functions count, and so does ``importlib.import_module("a.constant.name")``.
+ray, deepspeed or vllm, except ``vllm_cpu``, which imports vllm (and no other framework); nothing imports the
+top-level ``benchmarks`` package (one named exception below). Lazy imports inside functions count, and so does
+``importlib.import_module("a.constant.name")``.
 """
 
 import ast
@@ -33,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS = (
     ("__main__", "cli"),
     ("openrlhf", "trl", "verl"),
+    ("vllm_cpu",),
     ("audit",),
     ("demo",),
     ("local",),
@@ -49,6 +53,8 @@ FRONT_ENDS = LAYER["openrlhf"]
 # a front end of its own, and audit/ and demo/ are built on it. What two front ends share lives below local/.
 BESIDE_FRONT_ENDS = ("audit", "demo", "local")
 FRAMEWORKS = ("openrlhf", "trl", "verl", "ray", "deepspeed", "vllm")
+# The one unit below the front ends that may import a framework, and the one framework it may import.
+FRAMEWORK_BELOW_FRONT_ENDS = {("vllm_cpu", "vllm")}
 # `openrlhf-lopti bench-step` runs benchmarks/bench_train_step.py from a source checkout (__main__ names it as a
 # string and checks the file is there). The one exception; a new one fails here.
 BENCHMARK_NAMES_ALLOWED = {("__main__", "benchmarks.bench_train_step")}
@@ -119,7 +125,7 @@ def violations(root: Path = ROOT) -> list:
             top = name.split(".")[0]
             if top == "benchmarks":
                 found.append(f"{where}:{line}: imports {name} (benchmarks/ is not part of the package)")
-            elif top in FRAMEWORKS and LAYER[unit] > FRONT_ENDS:
+            elif top in FRAMEWORKS and LAYER[unit] > FRONT_ENDS and (unit, top) not in FRAMEWORK_BELOW_FRONT_ENDS:
                 found.append(f"{where}:{line}: {unit} imports {name}: only a front end imports its framework")
             elif top == PACKAGE:
                 target = unit_of(name)
@@ -165,9 +171,15 @@ def test_planted_wrong_imports_fail(tmp_path):
         "ops/planted_framework.py": "def f():\n    import deepspeed\n",
         "tasks/planted_benchmarks.py": "import importlib\nimportlib.import_module('benchmarks.bench_memory')\n",
         "demo/planted_from_root.py": "from openrlhf_lopti import audit\n",
+        "tasks/planted_vllm.py": "def f():\n    from vllm.model_executor.layers import utils\n",
+        "local/planted_vllm_cpu.py": "from openrlhf_lopti.vllm_cpu import repack_linear_layers\n",
+        "trl/planted_vllm_cpu.py": "from ..vllm_cpu import keep_weights_when_packing\n",  # allowed: a front end
     }
     for relative, text in planted.items():
         write(tmp_path, relative, text)
+    vllm_cpu = copy / "vllm_cpu.py"  # vllm_cpu may import vllm, and nothing else of the frameworks
+    vllm_cpu.write_text(vllm_cpu.read_text() + "\nimport vllm\nimport ray\n")
+    vllm_lines = len(vllm_cpu.read_text().splitlines())
     found = "\n".join(violations(copy))
     assert "local/planted_up.py:1: local imports openrlhf_lopti.demo.tiny_model: demo is above local" in found
     assert "algo/planted_relative.py:2: algo imports openrlhf_lopti.local.trainer: local is above algo" in found
@@ -178,3 +190,8 @@ def test_planted_wrong_imports_fail(tmp_path):
     assert "tasks/planted_benchmarks.py:2: imports benchmarks.bench_memory" in found
     assert "tasks/planted_benchmarks.py:2: names 'benchmarks.bench_memory'" in found
     assert "demo/planted_from_root.py:1: demo imports openrlhf_lopti.audit: audit is above demo" in found
+    assert "tasks/planted_vllm.py:2: tasks imports vllm.model_executor.layers: only a front end imports" in found
+    assert "local/planted_vllm_cpu.py:1: local imports openrlhf_lopti.vllm_cpu: vllm_cpu is above local" in found
+    assert "trl/planted_vllm_cpu.py" not in found
+    assert f"vllm_cpu.py:{vllm_lines}: vllm_cpu imports ray: only a front end imports its framework" in found
+    assert f"vllm_cpu.py:{vllm_lines - 1}:" not in found

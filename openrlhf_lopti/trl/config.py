@@ -1,4 +1,4 @@
-"""``LoptiGRPOConfig``: TRL's ``GRPOConfig`` plus the options of AR, Lopti and our fused loss kernels.
+"""``LoptiGRPOConfig``: TRL's ``GRPOConfig`` plus the options of AR, Lopti, our fused loss kernels and the vLLM engine.
 
 Every check is here, so a bad configuration fails when the config is built, with one line naming the option.
 :func:`refusals` lists what TRL supports that ``LoptiGRPOTrainer`` cannot honour; the trainer runs it again
@@ -13,6 +13,8 @@ from trl import GRPOConfig
 from openrlhf_lopti.algo import LoptiSettings, check_alpha, check_lopti_args, lopti_on, lopti_settings
 from openrlhf_lopti.ops import BACKENDS
 
+from . import cpu_colocate
+
 # TRL loss types whose per-token term is the PPO clipped surrogate ``fused_policy_loss`` computes; they differ
 # only in how the per-token losses are normalised, and those normalisations are kept.
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -21,7 +23,7 @@ LOPTI_KEYS = ("lopti_eta", "lopti_quantile")  # the two thresholds' names, for a
 
 @dataclass
 class LoptiGRPOConfig(GRPOConfig):
-    """TRL's ``GRPOConfig`` with eight more fields (see ``openrlhf_lopti.trl.trainer`` for what each changes).
+    """TRL's ``GRPOConfig`` with nine more fields (see ``openrlhf_lopti.trl.trainer`` for what each changes).
 
     Args:
         ar_alpha: Advantage Reweighting strength in [0, 1] (paper Eq. 4; 0 = off, the paper's K&K value 0.3).
@@ -36,6 +38,8 @@ class LoptiGRPOConfig(GRPOConfig):
         loss_backend: the kernels' backend, one of ``openrlhf_lopti.ops.BACKENDS`` (``"auto"``: triton on CUDA,
             the C++ kernel on CPU when built, else torch).
         track_direction: log ``direction/*`` (paper Fig. 3) after each round (one forward-only pass over it).
+        vllm_dtype: dtype of the colocated vLLM engine (``"auto"``: vLLM's choice, which makes an fp32 checkpoint
+            a bf16 engine; ``"float32"``: sampled log-probs equal to an fp32 training model's). See ``cpu_colocate``.
     """
 
     ar_alpha: float = field(default=0.0, metadata={"help": "Advantage Reweighting alpha in [0, 1]; 0 is off."})
@@ -51,6 +55,9 @@ class LoptiGRPOConfig(GRPOConfig):
     loss_backend: str = field(default="auto", metadata={"help": "Kernel backend: auto, triton, cpp or torch."})
     track_direction: bool = field(
         default=False, metadata={"help": "Log direction/* (paper Fig. 3) after each round: one forward pass."}
+    )
+    vllm_dtype: str = field(
+        default="auto", metadata={"help": "dtype of the colocated vLLM engine: auto (vLLM's), float32, bfloat16."}
     )
 
     @property
@@ -80,7 +87,7 @@ class LoptiGRPOConfig(GRPOConfig):
         self.lopti_settings  # noqa: B018 - raises on algo's rule: the two thresholds together are refused
         if self.loss_backend not in BACKENDS:
             raise ValueError(f"loss_backend must be one of {BACKENDS}, got {self.loss_backend!r}")
-        problems = refusals(self, num_processes=self.world_size)
+        problems = refusals(self, num_processes=self.world_size) + cpu_colocate.refusals(self)
         if problems:
             raise ValueError(problems[0])
 

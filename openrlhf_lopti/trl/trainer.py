@@ -85,6 +85,7 @@ from openrlhf_lopti.models import lm_head_parts
 from openrlhf_lopti.ops import LossOptions, fused_linear_policy_loss, fused_policy_loss
 
 from .config import LoptiGRPOConfig, optimizer_steps_per_round, refusals
+from .cpu_colocate import colocated_engine, repack_after_every_sync, vllm_on_cpu
 from .reward_check import RewardCheck
 
 PHASE_KEYS = ("lopti_phase_1", "lopti_phase_2")  # [B, T] bool masks in update order, in the generation batch
@@ -105,7 +106,10 @@ class LoptiGRPOTrainer(GRPOTrainer):
     def __init__(self, *args_, args: Optional[LoptiGRPOConfig] = None, **kwargs):
         if not isinstance(args, LoptiGRPOConfig):
             raise ValueError(f"args must be a LoptiGRPOConfig, got {type(args).__name__}")
-        super().__init__(*args_, args=args, **kwargs)
+        with colocated_engine(args):  # vLLM colocated on CPU: environment, dtype, weights that survive packing
+            super().__init__(*args_, args=args, **kwargs)
+        if vllm_on_cpu(args) and args.vllm_mode == "colocate":
+            repack_after_every_sync(self.vllm_generation)
         from accelerate.utils import is_peft_model
         from transformers import ProcessorMixin
 

@@ -9,51 +9,18 @@ upstream's rollout actor calls its methods through ``collective_rpc``. Two thing
 - vLLM's CPU backend repacks every linear layer's weight for its GEMM kernels (oneDNN / packed) once, after
   loading, and then frees the weight itself, so ``load_weights`` would have nowhere to write and the packed copy
   would never change. Importing this module (vLLM does, in its worker, before loading the model) makes that
-  packing keep the weight (:func:`_keep_weights_when_packing`); after the last parameter of a sync the layers
-  are packed again from the new weights (:func:`repack_linear_layers`).
+  packing keep the weight; after the last parameter of a sync the layers are packed again from the new weights
+  (both from :mod:`openrlhf_lopti.vllm_cpu`, shared with the other front ends).
 """
-
-import functools
 
 import torch
 
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
+from ...vllm_cpu import keep_weights_when_packing, repack_linear_layers
 from .sync import StatelessGlooGroup
 
-
-def _keep_weights_when_packing() -> None:
-    """Make vLLM's ``dispatch_cpu_unquantized_gemm`` (looked up at call time by its linear layers) keep the weight."""
-    from vllm.model_executor.layers import utils
-
-    if getattr(utils.dispatch_cpu_unquantized_gemm, "keeps_weight", False):
-        return
-    dispatch = utils.dispatch_cpu_unquantized_gemm
-
-    @functools.wraps(dispatch)
-    def dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
-        dispatch(layer, remove_weight=False)
-
-    dispatch_keeping_weight.keeps_weight = True
-    utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
-
-
-_keep_weights_when_packing()
-
-
-def repack_linear_layers(model: torch.nn.Module) -> int:
-    """Pack again, from their current weights, the layers vLLM packed for its CPU GEMMs; returns how many."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    count = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not hasattr(module, "cpu_linear") or getattr(module, "_cpu_skip_gemm_dispatch", False):
-            continue
-        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.numel() > 0:
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-            count += 1
-    return count
+keep_weights_when_packing()  # vLLM imports this module in its worker before it loads the model
 
 
 class CPUWorkerWrap(WorkerWrap):
