@@ -69,6 +69,8 @@ def cpu_setup(args):
         use_cpu=True, bf16=False, per_device_train_batch_size=8, num_generations=8, gradient_accumulation_steps=1,
         steps_per_generation=2, max_completion_length=24, max_steps=args.max_steps if args.max_steps > 0 else 4,
         learning_rate=1e-3, logging_steps=1, use_vllm=args.vllm, vllm_mode="colocate",
+        # the CPU colocate path (docs/TRL.md): an fp32 engine, whose sampled log-probs are the trainer's
+        vllm_dtype="float32" if args.vllm else "auto",
     )  # fmt: skip
     return model, tok, data, settings
 
