@@ -80,6 +80,32 @@ def test_the_batch_holds_what_the_contract_is_about():
     assert [p.name for p in empty.phases] == ["high", "low"] and empty.phases[0].tokens == 0
 
 
+def nested_rows(padded: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's response tokens (a prefix of the row here) as one jagged nested tensor ``[B, j]``: the layout of
+    verl's default trainer (``response_to_nested``)."""
+    return torch.nested.as_nested_tensor([row[m] for row, m in zip(padded, mask)], layout=torch.jagged)
+
+
+@pytest.mark.parametrize("name, settings", [(s[0], s[4]) for s in SETTINGS], ids=[s[0] for s in SETTINGS])
+def test_a_nested_batch_gets_the_padded_batchs_round(name, settings):
+    """The same tokens as jagged nested rows (verl's default trainer) or padded ``[B, T]``: the same threshold,
+    phases token by token, counts and metrics; the phases' masks come back nested with the rows' offsets. A nested
+    batch with a padded mask is refused in one line naming it."""
+    old, mask = contract_batch()
+    nested_old, nested_mask = nested_rows(old, mask), nested_rows(mask, mask)
+    padded, nested = plan_round(old, mask, settings, 0.3), plan_round(nested_old, nested_mask, settings, 0.3)
+    weight = "ar/mean_weight"  # an fp32 sum over [4, 6] or over [17]: another order of the same 17 terms
+    assert nested.metrics.pop(weight) == pytest.approx(padded.metrics.pop(weight), rel=17 * 2**-23)
+    assert (nested.threshold, nested.metrics) == (padded.threshold, padded.metrics)
+    assert [(p.name, p.tokens) for p in nested.phases] == [(p.name, p.tokens) for p in padded.phases]
+    for n, p in zip(nested.phases, padded.phases):
+        assert n.mask.is_nested and torch.equal(n.mask.offsets(), nested_old.offsets())
+        assert torch.equal(n.mask.values(), p.mask[mask]), n.name
+    with pytest.raises(ValueError, match=r"^response_mask: a nested round needs .* got a padded tensor") as info:
+        plan_round(nested_old, mask, settings)
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("name, local, openrlhf, trl, expected", SETTINGS, ids=[s[0] for s in SETTINGS])
 def test_every_front_end_maps_its_options_to_the_same_settings(name, local, openrlhf, trl, expected, tmp_path):
     from openrlhf_lopti.local.config import TrainConfig

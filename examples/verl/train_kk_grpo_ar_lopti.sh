@@ -4,16 +4,20 @@
 #
 #   METHOD=ar+lopti bash examples/verl/train_kk_grpo_ar_lopti.sh        # grpo | ar | lopti | ar+lopti
 #   DRY_RUN=1 bash examples/verl/train_kk_grpo_ar_lopti.sh              # print main_ppo's overrides, run nothing
+#   CPU=1 MODEL=/tmp/tiny DATA=/tmp/kk bash examples/verl/train_kk_grpo_ar_lopti.sh   # rehearse it on a CPU
 #
-# Needs verl 0.9.1 with a vLLM rollout and CUDA GPUs (not run here: main_ppo needs CUDA and a vLLM / SGLang
-# rollout server; the CPU tests run our loss and worker inside verl's actor, docs/VERL.md). Extra arguments are
-# passed to main_ppo as more overrides, e.g. trainer.total_epochs=2.
+# Runs verl's own trainer, `python -m verl.trainer.main_ppo`, with vLLM as the rollout server. CPU=1 runs the same
+# trainer on a machine without a GPU (openrlhf_lopti/verl/cpu.py: verl's platform "cpu", vLLM's CPU build, a
+# private local Ray cluster) with small defaults: NGPUS=1 actor rank, 2 RL steps of 2 prompts x 4 responses of at
+# most 32 tokens. Environment: PYTHON, MODEL, DATA, NGPUS, METHOD, CPU, DRY_RUN. Extra arguments are passed to
+# main_ppo as more overrides (after ours: they win), e.g. trainer.total_epochs=2.
 set -euo pipefail
 
 PYTHON=${PYTHON:-python}
 MODEL=${MODEL:-Qwen/Qwen2.5-3B-Instruct}
 DATA=${DATA:-data/kk}
-NGPUS=${NGPUS:-8}
+CPU=${CPU:-}
+NGPUS=${NGPUS:-$([ -n "$CPU" ] && echo 1 || echo 8)}
 METHOD=${METHOD:-ar+lopti}
 
 case "$METHOD" in
@@ -48,12 +52,13 @@ ARGS=(
   $ACTOR.clip_ratio_low=0.2
   $ACTOR.clip_ratio_high=0.24
   $ACTOR.loss_agg_mode=token-mean
-  # AR and Lopti: our policy-loss config, the 'ar' loss, Lopti's threshold (null: off)
+  # AR and Lopti: our policy-loss config, the 'ar' loss, Lopti's threshold (null: off); ++: an extra argument
+  # may set them again
   $ACTOR.policy_loss._target_=openrlhf_lopti.verl.LoptiPolicyLossConfig
   $ACTOR.policy_loss.loss_mode=$LOSS
-  +$ACTOR.policy_loss.ar_alpha=$ALPHA
-  +$ACTOR.policy_loss.lopti_eta=$ETA
-  +$ACTOR.policy_loss.lopti_order=low_first
+  ++$ACTOR.policy_loss.ar_alpha=$ALPHA
+  ++$ACTOR.policy_loss.lopti_eta=$ETA
+  ++$ACTOR.policy_loss.lopti_order=low_first
   actor_rollout_ref.rollout.name=vllm
   actor_rollout_ref.rollout.n=8
   actor_rollout_ref.rollout.temperature=0.7
@@ -73,6 +78,32 @@ ARGS=(
   trainer.experiment_name="kk-$METHOD"
 )
 
+if [ -n "$CPU" ]; then
+  # a private Ray temp dir (short: Ray's socket paths must stay under 108 characters), removed at exit
+  RAY_TMP=$(mktemp -d /tmp/verl-ray-XXXXXX)
+  trap 'rm -rf "$RAY_TMP"' EXIT
+  # main_ppo's CPU overrides (openrlhf_lopti/verl/cpu_overrides.py, run by path: it imports nothing of verl)
+  mapfile -t CPU_ARGS < <("$PYTHON" "$(dirname "$REWARD")/cpu_overrides.py" --ngpus "$NGPUS" --temp-dir "$RAY_TMP")
+  [ "${#CPU_ARGS[@]}" -gt 0 ] || { echo "CPU=1: cpu_overrides.py printed no overrides (NGPUS=$NGPUS)" >&2; exit 2; }
+  ARGS+=(
+    "${CPU_ARGS[@]}"
+    # small defaults for a rehearsal: 2 RL steps of 2 prompts x 4 responses, 32 tokens, no validation
+    data.train_batch_size=2
+    data.max_prompt_length=512
+    data.max_response_length=32
+    actor_rollout_ref.rollout.n=4
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.5
+    $ACTOR.ppo_mini_batch_size=2
+    $ACTOR.ppo_micro_batch_size_per_gpu=4
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4
+    trainer.total_training_steps=2
+    trainer.test_freq=-1
+    trainer.val_before_train=false
+  )
+  export VERL_PLATFORM=cpu
+fi
+
 if [ -n "${DRY_RUN:-}" ]; then
   printf '%s\n' "${ARGS[@]}" "$@"
   exit 0
@@ -85,4 +116,8 @@ fi
 
 # the one environment variable: verl imports our package in every process (the 'ar' loss, the Lopti worker)
 export VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl
-exec "$PYTHON" -m verl.trainer.main_ppo "${ARGS[@]}" "$@"
+if [ -n "$CPU" ]; then
+  "$PYTHON" -m verl.trainer.main_ppo "${ARGS[@]}" "$@"      # not exec: the EXIT trap removes Ray's temp dir
+else
+  exec "$PYTHON" -m verl.trainer.main_ppo "${ARGS[@]}" "$@"
+fi

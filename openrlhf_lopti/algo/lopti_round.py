@@ -138,8 +138,11 @@ def plan_round(
 
     Args:
         old_log_probs: ``[B, T]`` (any shape; a driver may pass its items flattened and concatenated) log-probs of
-            the sampled tokens under the rollout policy, nats. Never changes during the round.
-        response_mask: same shape, bool or 0/1: the response tokens (None: every token).
+            the sampled tokens under the rollout policy, nats. Never changes during the round. Also a jagged
+            nested tensor ``[B, j]`` (one row per response, its own length: verl's default trainer keeps
+            per-response fields so); the phases' masks then come back nested with the same offsets.
+        response_mask: same shape (nested with the same offsets), bool or 0/1: the response tokens (None: every
+            token).
         lopti: the settings, or None for no Lopti (one phase, the response mask).
         ar_alpha: AR's alpha, for ``ar/mean_weight`` (logged when > 0).
         gather: concatenates a 1-D tensor over every process (the quantile's scope); None: this process only.
@@ -155,6 +158,12 @@ def plan_round(
         ValueError: mismatched shapes (before any collective), or NaN log-probs on a response token of any
             process (on every process, after the all-reduce).
     """
+    offsets = None
+    if old_log_probs.is_nested or (response_mask is not None and response_mask.is_nested):
+        offsets = _jagged_offsets(old_log_probs, response_mask)
+        # every token's phase is decided on the rows' real tokens, concatenated (a layout of the same tokens)
+        old_log_probs = old_log_probs.values()
+        response_mask = None if response_mask is None else response_mask.values()
     if response_mask is None:
         response = torch.ones_like(old_log_probs, dtype=torch.bool)
     elif response_mask.shape != old_log_probs.shape:
@@ -185,15 +194,36 @@ def plan_round(
     metrics = {}
     if ar_alpha > 0:
         metrics["ar/mean_weight"] = sums["ar_weight"] / max(tokens, 1.0)
+
+    def layout(mask: torch.Tensor) -> torch.Tensor:  # back in the caller's layout
+        return mask if offsets is None else torch.nested.nested_tensor_from_jagged(mask, offsets)
+
     if lopti is None:
-        return LoptiRound([Phase("all", response, int(tokens))], None, metrics)
-    masks = {"low": low, "high": response & ~low}
+        return LoptiRound([Phase("all", layout(response), int(tokens))], None, metrics)
+    masks = {"low": layout(low), "high": layout(response & ~low)}
     counts = {"low": int(sums["low_tokens"]), "high": int(tokens - sums["low_tokens"])}
     metrics["lopti/threshold"] = threshold
     metrics["lopti/low_token_frac"] = counts["low"] / max(tokens, 1.0)
     metrics.update({f"lopti/{name}/tokens": float(counts[name]) for name in lopti.phase_names})
     phases = [Phase(name, masks[name], counts[name]) for name in lopti.phase_names]
     return LoptiRound(phases, threshold, metrics)
+
+
+def _jagged_offsets(old_log_probs: torch.Tensor, response_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The row offsets ``[B + 1]`` shared by nested ``old_log_probs`` and ``response_mask`` (checked before any
+    collective)."""
+    tensors = [("old_log_probs", old_log_probs)] + ([] if response_mask is None else [("response_mask", response_mask)])
+    for name, tensor in tensors:
+        if not tensor.is_nested or tensor.layout != torch.jagged or tensor.dim() != 2:
+            kind = f"nested ({tensor.layout})" if tensor.is_nested else "padded"
+            raise ValueError(
+                f"{name}: a nested round needs old_log_probs and response_mask both as jagged nested tensors [B, j] "
+                f"(torch.nested, layout=torch.jagged), got a {kind} tensor of {tensor.dim()} dims"
+            )
+    offsets = old_log_probs.offsets()
+    if response_mask is not None and not torch.equal(response_mask.offsets().to(offsets.device), offsets):
+        raise ValueError("response_mask must have the rows of old_log_probs: their nested offsets differ")
+    return offsets
 
 
 def lopti_phases(

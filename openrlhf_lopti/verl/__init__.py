@@ -5,7 +5,8 @@ does, through verl's own extension points and without editing verl:
 
 - registers the policy loss ``ar`` (:mod:`.loss`): ``actor_rollout_ref.actor.policy_loss.loss_mode=ar``;
 - makes :class:`LoptiTrainingWorker` (:mod:`.worker`) the actor's training worker
-  (``ActorRolloutRefWorker.actor_worker_cls``); with Lopti off and no AR it is verl's ``TrainingWorker`` unchanged.
+  (``ActorRolloutRefWorker.actor_worker_cls``); with Lopti off and no AR it is verl's ``TrainingWorker`` unchanged;
+- registers verl's ``cpu`` platform, and with ``VERL_PLATFORM=cpu`` runs verl on the CPU (:mod:`.cpu`).
 
 The keys (``ar_alpha``, ``lopti_eta``, ``lopti_order``, ``lopti_quantile``) live in
 ``actor_rollout_ref.actor.policy_loss`` with ``_target_=openrlhf_lopti.verl.LoptiPolicyLossConfig`` (:mod:`.config`).
@@ -24,6 +25,13 @@ except ModuleNotFoundError as exc:
     if exc.name != "verl":  # verl is there but one of its own imports is not: that error says which
         raise
     raise ImportError(MISSING_VERL) from None
+
+# first: registers verl's "cpu" platform; with VERL_PLATFORM=cpu, verl on the CPU in this process (cpu.py), before
+# anything of verl reads its platform or looks vLLM up (the import below does)
+from . import cpu  # noqa: E402
+
+if cpu.selected():
+    cpu.use_cpu()
 
 from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: E402
 

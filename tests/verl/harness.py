@@ -221,3 +221,33 @@ def verl_batch(exp, *, temperature: float, mini_batch: int, epochs: int = 1, see
         compute_loss=True,
     )
     return td
+
+
+RESPONSE_FIELDS = ("response_mask", "loss_mask", "old_log_probs", "advantages", "ref_log_prob")
+
+
+def nested_batch(padded):
+    """The batch of :func:`verl_batch` as verl's default trainer (``trainer.use_v1=true``) hands ``update_actor``:
+    ``prompts``, ``responses`` and every per-response field as jagged nested tensors, one row per response of its
+    own length (``agent_loop_tq.py:199``, ``trainer_base.py:1797``: verl's own ``response_to_nested``), no
+    ``attention_mask`` and no ``max_response_len`` (``no_padding_2_padding`` then pads to each mini-batch's longest
+    response, as ``ppo_loss`` pads the nested fields). Needs responses whose mask is a prefix of their row."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import response_to_nested
+
+    td = padded.copy()
+    response = td["response_mask"].bool()
+    lengths = response.sum(-1)
+    assert torch.equal(response, torch.arange(response.shape[1]) < lengths[:, None]), "responses must be prefixes"
+    rows = torch.nested.as_nested_tensor([r[:n] for r, n in zip(td["response_mask"], lengths)], layout=torch.jagged)
+    for key in RESPONSE_FIELDS:
+        if key in td.keys():
+            td[key] = response_to_nested(td[key], rows)
+    prompt_valid = td["attention_mask"][:, : td["prompts"].shape[1]].bool()
+    td["prompts"] = torch.nested.as_nested_tensor([p[v] for p, v in zip(td["prompts"], prompt_valid)],
+                                                  layout=torch.jagged)  # fmt: skip
+    td["responses"] = torch.nested.as_nested_tensor([r[:n] for r, n in zip(td["responses"], lengths)],
+                                                    layout=torch.jagged)  # fmt: skip
+    del td["attention_mask"]
+    tu.pop(td, key="max_response_len")
+    return td

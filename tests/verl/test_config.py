@@ -142,3 +142,17 @@ def test_phases_add_up_to_one_pass_exactly_for_the_modes_lopti_accepts(mode):
         assert abs(parts - whole) <= bound, (mode, parts, whole)
     else:
         assert abs(parts - whole) > 1e3 * bound, (mode, parts, whole)
+
+
+@pytest.mark.parametrize("eta, order, quantile", [(0.3, "low_first", None), (0.8, "high_first", None),
+                                                  (0.25, "low_first", 0.4)])  # fmt: skip
+def test_the_users_lopti_settings_reach_the_round_unchanged(eta, order, quantile):
+    """main_ppo's overrides -> verl's actor config -> the settings the worker's round runs with: a user's eta,
+    order and quantile arrive as given (every other test uses the paper's 0.5; issue 37: an eta silently replaced
+    by 0.5 in the policy-loss config went unnoticed)."""
+    from openrlhf_lopti.algo import LoptiSettings
+    from openrlhf_lopti.verl.config import round_settings
+
+    config = build_actor_config(eta=eta, order=order, quantile=quantile, alpha=0.2)
+    assert (config.policy_loss.lopti_eta, config.policy_loss.lopti_order) == (eta, order)
+    assert round_settings(config) == (LoptiSettings(eta, order, quantile), 0.2)

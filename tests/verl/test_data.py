@@ -2,6 +2,7 @@
 -> parquet that verl's own ``RLHFDataset`` reads (main_ppo's ``data`` config), and the reward file loaded by path the
 way verl loads ``reward.custom_reward_function``."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,14 +50,16 @@ def test_verls_dataset_reads_the_converted_files(kk_dir, tiny):
 
 
 def test_the_converter_refuses_to_overwrite_and_plain_prompts(kk_dir, tmp_path):
+    # as a user runs it: without the VERL_PLATFORM=cpu this test session exports (verl on the CPU logs a line)
+    env = {key: value for key, value in os.environ.items() if key != "VERL_PLATFORM"}
     run = subprocess.run([sys.executable, "-m", "openrlhf_lopti.verl.data", str(kk_dir)], capture_output=True,
-                         text=True)  # fmt: skip
+                         text=True, env=env)  # fmt: skip
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "--overwrite" in run.stderr
     plain = tmp_path / "plain"
     subprocess.run([sys.executable, "-m", "openrlhf_lopti", "data", "kk", "--out", str(plain), "--people", "3",
                     "--train-per-n", "1", "--test-per-n", "1", "--plain-prompt"], check=True, capture_output=True)  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "openrlhf_lopti.verl.data", str(plain)], capture_output=True,
-                         text=True)  # fmt: skip
+                         text=True, env=env)  # fmt: skip
     assert run.returncode == 2 and "without --plain-prompt" in run.stderr and run.stderr.count("\n") == 1
 
 

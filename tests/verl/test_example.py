@@ -1,6 +1,6 @@
 """examples/verl/train_kk_grpo_ar_lopti.sh: its main_ppo overrides (``DRY_RUN=1``) compose into verl's config
 (hydra, ``ppo_trainer``), pass main_ppo's own ``validate_config``, and build the actor config our worker reads:
-the paper's K&K settings for each METHOD. (The run itself needs CUDA and vLLM: docs/VERL.md.)"""
+the paper's K&K settings for each METHOD. (The run itself: test_main_ppo.py, on the CPU.)"""
 
 import os
 import subprocess

@@ -75,8 +75,10 @@ def exact_float64_buffers(module, model) -> None:
             buffer.copy_(buffers[name].double())
 
 
-def run_verl(tiny, method: dict, float64: bool, optimizer: str = "SGD", epochs: int = 1, worker_cls=None):
-    """One RL step of verl's actor (our worker unless ``worker_cls``): (each parameter's change, metrics, worker)."""
+def run_verl(tiny, method: dict, float64: bool, optimizer: str = "SGD", epochs: int = 1, worker_cls=None,
+             layout=None):  # fmt: skip
+    """One RL step of verl's actor (our worker unless ``worker_cls``): (each parameter's change, metrics, worker).
+    ``layout``: a function of the padded batch giving the batch handed to ``update_actor`` (default: as is)."""
     cfg = harness.compose(harness.actor_overrides(
         tiny["path"], mini_batch=MINI, micro_batch=MICRO, lr=LR, optimizer=optimizer, epochs=epochs, kl_coef=KL,
         alpha=method["alpha"], eta=method["eta"], quantile=method.get("quantile"),
@@ -102,6 +104,8 @@ def run_verl(tiny, method: dict, float64: bool, optimizer: str = "SGD", epochs: 
         if float64:
             for key in ("old_log_probs", "advantages", "ref_log_prob"):
                 batch[key] = batch[key].double()
+        if layout is not None:
+            batch = layout(batch)
         metrics = tu.get(worker.update_actor(batch), "metrics")
         after = full_parameters(module)
     return {name: after[name] - before[name] for name in before}, metrics, worker
@@ -169,7 +173,7 @@ def test_one_step_equals_the_local_update_with_sgd(tiny, name, monkeypatch):
     assert len(vm32["grad_norm"]) == steps == lm32["optimizer_steps"]
     scalars_same_computation(f"{name}: mean grad norm", mean(vm32["grad_norm"]), lm32["grad_norm"],
                              mean(vm64["grad_norm"]), lm64["grad_norm"])  # fmt: skip
-    assert vm32["lr"] == [LR]  # the LR scheduler stepped once in the round
+    assert set(vm32["lr"]) == {LR}  # every phase at the round's lr (the schedule's once per round: the test below)
 
 
 def test_ar_and_lopti_with_adamw_and_two_epochs(tiny, monkeypatch):
@@ -217,3 +221,59 @@ def test_lr_schedule_steps_once_per_rl_step_and_both_phases_share_its_lr(tiny):
         assert len(set(lrs)) == 1, f"one round's optimizer steps ran at different lrs: {lrs}"
     warmup = [LR * step / 4 for step in range(3)]  # verl's constant schedule with 4 warm-up steps, 0-indexed
     assert [lrs[0] for lrs in rounds] == pytest.approx(warmup)
+
+
+def test_the_default_trainers_nested_batch_trains_as_the_padded_one(tiny):
+    """verl's default trainer (``use_v1=true``) hands ``update_actor`` per-response fields as jagged nested tensors,
+    the legacy one padded ``[batch, response_len]``: AR+Lopti on the same data in both layouts decides the same
+    phases token by token, logs the same metrics and makes the same update (issue 38: the nested batch raised).
+
+    Bit for bit: the engine forwards the same unpadded sequences either way; only the width to which ``ppo_loss``
+    pads the response fields differs (each mini-batch's longest response vs the batch's), i.e. zeros."""
+    method = dict(alpha=0.3, eta=0.4)
+    padded, padded_metrics, padded_worker = run_verl(tiny, method, float64=False)
+    nested, nested_metrics, nested_worker = run_verl(tiny, method, float64=False, layout=harness.nested_batch)
+    response = tiny["exp"].rollout.action_mask.bool()
+    pr, nr = padded_worker.actor.last_round, nested_worker.actor.last_round
+    assert [p.name for p in nr.phases] == ["low", "high"] and all(p.mask.is_nested for p in nr.phases)
+    for p, n in zip(pr.phases, nr.phases):
+        assert torch.equal(p.mask[response], n.mask.values()) and p.tokens == n.tokens > 0, p.name
+    assert nested_metrics["lopti/threshold"] == 0.4 and nested_metrics.keys() == padded_metrics.keys()
+    measured = [key for key in padded_metrics if "perf/" in key or "mfu" in key]  # memory, time: not the update's
+    assert {k: v for k, v in nested_metrics.items() if k not in measured} == {
+        k: v for k, v in padded_metrics.items() if k not in measured}  # fmt: skip
+    for param in padded:
+        assert padded[param].abs().max() > 0 and torch.equal(nested[param], padded[param]), param
+
+
+@pytest.mark.parametrize("layout", ["padded", "nested"])
+def test_a_phase_batch_holds_its_tokens_and_their_advantages_only(tiny, layout):
+    """The contract of ``LoptiTrainingWorker.phase_batch`` (issue 37: leaving the other phase's advantages in place
+    went unnoticed, as every allowed verl loss masks by ``response_mask``; a loss that read advantages unmasked would
+    train the wrong tokens): ``response_mask`` is the phase's tokens, ``advantages`` are the phase's and 0 on every
+    other token, every other field and setting is the batch's, the batch itself is left as it was."""
+    from verl.utils import tensordict_utils as tu
+
+    from openrlhf_lopti.algo import LoptiSettings, plan_round
+    from openrlhf_lopti.verl.worker import LoptiTrainingWorker
+
+    batch = harness.verl_batch(tiny["exp"], temperature=tiny["temperature"], mini_batch=MINI)
+    if layout == "nested":
+        batch = harness.nested_batch(batch)
+    flat = lambda t: t.values() if t.is_nested else t  # noqa: E731  (a nested field's tokens, concatenated)
+    before = batch.copy()
+    response, advantages = flat(batch["response_mask"]).bool(), flat(batch["advantages"])
+    lopti_round = plan_round(batch["old_log_probs"], batch["response_mask"], LoptiSettings(0.5))
+    for phase in lopti_round.phases:
+        part = LoptiTrainingWorker.phase_batch(batch, phase.mask)
+        mine = flat(phase.mask)
+        assert 0 < int(mine.sum()) < int(response.sum()), phase.name
+        assert torch.equal(flat(part["response_mask"]).bool(), mine)
+        assert torch.equal(flat(part["advantages"]), torch.where(mine, advantages, torch.zeros_like(advantages)))
+        assert bool((flat(part["advantages"])[response & ~mine] == 0).all())
+        assert bool(advantages[mine].abs().gt(0).any())  # the phase's own advantages are there to keep
+        for key in ("loss_mask", "old_log_probs", "ref_log_prob", "input_ids"):
+            assert torch.equal(flat(part[key]), flat(batch[key])), key
+        assert tu.get(part, "mini_batch_size") == MINI and tu.get(part, "temperature") == tiny["temperature"]
+    for key in [k for k in before.keys() if isinstance(before[k], torch.Tensor)]:
+        assert torch.equal(flat(batch[key]), flat(before[key])), f"phase_batch changed the batch's {key}"

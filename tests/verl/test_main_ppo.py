@@ -1,0 +1,173 @@
+"""verl's own trainer end to end on the CPU: ``CPU=1 bash examples/verl/train_kk_grpo_ar_lopti.sh``, i.e. the real
+``python -m verl.trainer.main_ppo`` (Ray, FSDP2 actor and reference on gloo, vLLM's CPU build as the rollout
+server, weight sync), 2 RL steps of 2 K&K prompts x 4 responses of at most 32 tokens on a tiny model.
+
+Three runs, each once per module and read by several tests: GRPO and AR+Lopti under verl's default trainer
+(``trainer.use_v1=true``: nested per-response fields in TransferQueue), AR+Lopti under the legacy one
+(``use_v1=false``: padded batches). Everything is read off the run's console log (verl's ``console`` logger: one
+``step:N - key:value - ...`` line per step) and the HF model verl saves after step 2.
+
+Time: each run is mostly start-up (Ray, vLLM's engine, two FSDP2 engines): 1.7-3.7 minutes measured on the 2-core
+machine beside other work. A planted bad key must fail in seconds, before Ray starts, with one line; an error in a Ray
+worker must end the run with its line, not hang.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ..run_logs import first_errors
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "verl" / "train_kk_grpo_ar_lopti.sh"
+ACTOR = "actor_rollout_ref.actor"
+# a quantile threshold: on a tiny random model every sampled token has p ~ 1/vocab, below any eta, and the high
+# phase would be empty (a user's eta reaching the round unchanged: test_config.py, test_worker.py)
+QUANTILE = 0.5
+REWARD = Path(__file__).resolve().parent / "varied_reward.py"  # non-zero advantages on a tiny random model
+RUN_TIMEOUT = 1500  # s; a run takes 3-4 minutes idle, ~6 under load: 4x slack before calling it a hang
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A tiny model (``openrlhf_lopti tiny-model``) and K&K data in verl's parquet format, built once."""
+    root = tmp_path_factory.mktemp("main_ppo")
+    py = sys.executable
+    for args in (["-m", "openrlhf_lopti", "tiny-model", "--out", str(root / "tiny")],
+                 ["-m", "openrlhf_lopti", "data", "kk", "--out", str(root / "kk"), "--people", "3",
+                  "--train-per-n", "8", "--test-per-n", "2"],
+                 ["-m", "openrlhf_lopti.verl.data", str(root / "kk")]):  # fmt: skip
+        subprocess.run([py, *args], check=True, capture_output=True, text=True)
+    return root
+
+
+def launch(inputs, method: str, *overrides: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CPU="1", PYTHON=sys.executable, MODEL=str(inputs / "tiny"), DATA=str(inputs / "kk"),
+               METHOD=method)  # fmt: skip
+    return subprocess.run(["bash", str(SCRIPT), *overrides], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=str(inputs))  # fmt: skip
+
+
+def step_metrics(log: str) -> dict:
+    """``{step: {key: value}}`` from verl's console logger lines (``step:N - key:value - ...``)."""
+    steps = {}
+    for line in log.splitlines():
+        match = re.search(r"step:(\d+) - (.*)$", line)
+        if match is None:
+            continue
+        values = steps.setdefault(int(match.group(1)), {})  # verl prints a step's metrics on more than one line
+        for part in match.group(2).split(" - "):
+            key, _, value = part.rpartition(":")
+            number = re.fullmatch(r"(?:np\.\w+\()?([-+0-9.eE]+|nan|inf)\)?", value.strip())
+            if number is not None:
+                values[key.strip()] = float(number.group(1))
+    return steps
+
+
+def run(inputs, tmp_path_factory, method: str, *overrides: str) -> dict:
+    """One run: its exit code, log, per-step metrics and checkpoint folder (the HF model after step 2)."""
+    out = tmp_path_factory.mktemp(f"run-{method.replace('+', '-')}")
+    proc = launch(inputs, method, f"trainer.default_local_dir={out}", "trainer.save_freq=2",
+                  f"{ACTOR}.checkpoint.save_contents=[hf_model]", f"reward.custom_reward_function.path={REWARD}",
+                  *overrides)  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"main_ppo exited {proc.returncode}: {first_errors(log)}\n{log[-3000:]}"
+    return {"log": log, "steps": step_metrics(log), "out": out}
+
+
+@pytest.fixture(scope="module")
+def grpo_v1(inputs, tmp_path_factory):
+    return run(inputs, tmp_path_factory, "grpo")
+
+
+@pytest.fixture(scope="module")
+def ar_lopti_v1(inputs, tmp_path_factory):
+    return run(inputs, tmp_path_factory, "ar+lopti", f"++{ACTOR}.policy_loss.lopti_quantile={QUANTILE}")
+
+
+@pytest.fixture(scope="module")
+def ar_lopti_v0(inputs, tmp_path_factory):
+    return run(inputs, tmp_path_factory, "ar+lopti", f"++{ACTOR}.policy_loss.lopti_quantile={QUANTILE}",
+               "trainer.use_v1=false")  # fmt: skip
+
+
+def saved_minus_initial(result, inputs) -> float:
+    """The largest change of any parameter between the tiny model and the HF model verl saved after step 2."""
+    from safetensors.torch import load_file
+
+    saved = list(Path(result["out"]).glob("global_step_2/actor/huggingface/*.safetensors"))
+    assert saved, f"no HF model saved under {result['out']}"
+    before = load_file(str(inputs / "tiny" / "model.safetensors"))
+    after = {}
+    for path in saved:
+        after.update(load_file(str(path)))
+    common = set(before) & set(after)
+    assert common, f"no parameter in common: {sorted(before)[:3]} vs {sorted(after)[:3]}"
+    return max(float((after[k].float() - before[k].float()).abs().max()) for k in common)
+
+
+def check_trained(result, inputs) -> None:
+    """Both steps logged; after step 1's update the rollout engine samples from the updated weights (vLLM's
+    probabilities of step 2 equal the actor's recomputed ones); the parameters changed."""
+    steps = result["steps"]
+    assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
+    for step in (1, 2):
+        assert "actor/pg_loss" in steps[step] and torch.isfinite(torch.tensor(steps[step]["actor/grad_norm"]))
+    # vLLM (fp32) against the FSDP actor (fp32) on the same tokens and weights: rounding only (measured 3e-9..8e-9)
+    assert steps[2]["training/rollout_probs_diff_max"] < 1e-5, steps[2]
+    assert saved_minus_initial(result, inputs) > 0
+
+
+def check_ar_lopti(result) -> None:
+    """The round's metrics at every step: a threshold inside (0, 1), both phases trained (each logs its own verl
+    metrics), AR's mean weight within [1 - alpha, 1]."""
+    for step, metrics in result["steps"].items():
+        assert 0 < metrics["actor/lopti/threshold"] < 1, (step, metrics)
+        assert 0 < metrics["actor/lopti/low_token_frac"] < 1, (step, metrics)
+        assert 0.7 <= metrics["actor/ar/mean_weight"] <= 1.0, (step, metrics)  # alpha 0.3
+        for phase in ("low", "high"):
+            assert metrics[f"actor/lopti/{phase}/tokens"] > 0 and f"actor/lopti/{phase}/grad_norm" in metrics
+
+
+def test_grpo_under_the_default_trainer(grpo_v1, inputs):
+    check_trained(grpo_v1, inputs)
+    assert not any(key.startswith("actor/lopti/") for key in grpo_v1["steps"][1])
+
+
+def test_ar_and_lopti_under_the_default_trainer(ar_lopti_v1, inputs):
+    check_trained(ar_lopti_v1, inputs)
+    check_ar_lopti(ar_lopti_v1)
+
+
+def test_ar_and_lopti_under_the_legacy_trainer(ar_lopti_v0, inputs):
+    check_trained(ar_lopti_v0, inputs)
+    check_ar_lopti(ar_lopti_v0)
+
+
+def test_a_bad_key_fails_in_seconds_with_one_line(inputs):
+    """A planted bad value of our key: hydra builds the actor config in the driver, before Ray starts."""
+    start = time.monotonic()
+    proc = launch(inputs, "ar+lopti", f"++{ACTOR}.policy_loss.ar_alpha=1.5", timeout=300)
+    elapsed, log = time.monotonic() - start, proc.stdout + proc.stderr
+    # ~12 s idle, 17 s beside busy processes (importing verl and hydra); 10x that before calling it slow
+    assert proc.returncode != 0 and elapsed < 170, (proc.returncode, elapsed)
+    lines = [line for line in log.splitlines() if "ar_alpha: alpha must be in [0, 1], got 1.5" in line]
+    assert lines, log[-3000:]
+    assert "Started a local Ray instance" not in log  # refused before any cluster started
+
+
+def test_an_error_in_a_worker_ends_the_run_with_its_line(inputs):
+    """A setting Lopti refuses, found by the actor worker (a Ray actor) when it gets its loss function: main_ppo
+    exits non-zero with our one-line error in its output, without hanging (52 s at load 5, mostly start-up)."""
+    start = time.monotonic()
+    proc = launch(inputs, "ar+lopti", f"{ACTOR}.loss_agg_mode=seq-mean-token-mean", timeout=600)
+    elapsed, log = time.monotonic() - start, proc.stdout + proc.stderr
+    assert proc.returncode != 0 and elapsed < 500, (proc.returncode, elapsed)  # about 10x the 43-52 s measured
+    ours = "ConfigError: actor_rollout_ref.actor.loss_agg_mode: Lopti's two phases add up to one pass only for"
+    assert ours in log, log[-3000:]
+    assert "WorkerDict.actor_rollout_ref_init_model" in log  # raised in the worker, reported by the driver
