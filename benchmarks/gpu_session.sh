@@ -9,7 +9,8 @@
 #
 # With the device tool: run(command="bash benchmarks/gpu_session.sh", carry=[".gpu-wheels"], timeout_s=600).
 # The image (Python 3.12, torch 2.11, Triton 3.6, transformers 5.17, accelerate; no internet) lacks trl, datasets
-# (+ dill, multiprocess), liger-kernel and openrlhf: --fetch-wheels downloads them with --no-deps into the
+# (+ dill, multiprocess), liger-kernel and openrlhf (+ pylatexenc, which its loss module imports): --fetch-wheels
+# downloads them with --no-deps into the
 # git-ignored .gpu-wheels/, and the session installs them into a temporary --target before its first step.
 # Without CUDA it refuses in one line (exit 2). Logs and JSON go to $OUT when set (the device tool's folder that
 # comes back), else to a temporary folder; the report is what it prints.
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.." || exit 2
 PYTHON=${PYTHON:-python3}
 WHEELS=${WHEELS:-.gpu-wheels}
 BUDGET=${GPU_SESSION_BUDGET_S:-570}
-WHEEL_PINS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 openrlhf==0.11.2)
+WHEEL_PINS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 openrlhf==0.11.2 pylatexenc==3.0a33)
 
 # name | budget s | command (run by bash from the repository root, $PYTHON and $LOGS set)
 STEPS=(
@@ -37,11 +38,16 @@ STEPS=(
 )
 
 # Tests only: GPU_SESSION_STEPS_FILE replaces the steps (one "name|budget|command" a line), GPU_SESSION_ASSUME_CUDA=1
-# skips the CUDA check, GPU_SESSION_MIN_STEP_S (default 15) is the least budget a step is started with.
+# skips the CUDA check, GPU_SESSION_MIN_STEP_S (default 15) is the least budget a step is started with, and
+# GPU_SESSION_CLOCK_FILE names a file holding the session's clock in whole seconds, read in place of bash's SECONDS
+# (the test's steps advance it, so what the budget lets run does not depend on how busy the machine is).
 if [[ -n ${GPU_SESSION_STEPS_FILE:-} ]]; then
   mapfile -t STEPS <"$GPU_SESSION_STEPS_FILE"
 fi
 MIN_STEP=${GPU_SESSION_MIN_STEP_S:-15}
+now() {
+  if [[ -n ${GPU_SESSION_CLOCK_FILE:-} ]]; then cat "$GPU_SESSION_CLOCK_FILE"; else echo "$SECONDS"; fi
+}
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 
@@ -75,7 +81,7 @@ if [[ $cuda != True* ]]; then
   exit 2
 fi
 
-START=$SECONDS
+START=$(now)
 LOGS=${OUT:-$(mktemp -d -t gpu_session-XXXXXX)}
 mkdir -p "$LOGS"
 REPORT=$LOGS/gpu_session.log
@@ -100,7 +106,7 @@ fi
 failed=0
 for step in "${STEPS[@]}"; do
   IFS='|' read -r name budget command <<<"$step"
-  left=$((BUDGET - (SECONDS - START)))
+  left=$((BUDGET - ($(now) - START)))
   ((budget > left)) && budget=$left
   if ((budget < MIN_STEP)); then
     say "== $name: SKIPPED (session budget spent: ${left} s left)"
@@ -109,7 +115,7 @@ for step in "${STEPS[@]}"; do
   fi
   say "== $name (budget ${budget} s): $command"
   log=$LOGS/step_${name}.log
-  t0=$SECONDS
+  t0=$(now)
   timeout --kill-after=5 "$budget" bash -c "$command" >"$log" 2>&1
   rc=$?
   grep -vE '^\s*$|it/s\]|s/it\]|%\|' "$log" | tail -n 40 | tee -a "$REPORT"
@@ -117,13 +123,13 @@ for step in "${STEPS[@]}"; do
     say "== $name: TIMED OUT after ${budget} s; first error line: $(grep -m1 -E 'Error|error:|Exception' "$log" || echo none)"
     failed=$((failed + 1))
   elif ((rc != 0)); then
-    say "== $name: FAILED (exit $rc) after $((SECONDS - t0)) s; first error line: $(grep -m1 -E 'Error|error:|Exception|FAILED' "$log" || tail -n1 "$log")"
+    say "== $name: FAILED (exit $rc) after $(($(now) - t0)) s; first error line: $(grep -m1 -E 'Error|error:|Exception|FAILED' "$log" || tail -n1 "$log")"
     failed=$((failed + 1))
   else
-    say "== $name: ok in $((SECONDS - t0)) s"
+    say "== $name: ok in $(($(now) - t0)) s"
   fi
 done
-say "gpu_session: done in $((SECONDS - START)) s, ${failed} of ${#STEPS[@]} steps failed, skipped or timed out; logs in $LOGS"
+say "gpu_session: done in $(($(now) - START)) s, ${failed} of ${#STEPS[@]} steps failed, skipped or timed out; logs in $LOGS"
 # The device tool brings back at most 8 files from $OUT: keep the report and the JSON, bundle the step logs.
 if [[ -n ${OUT:-} ]]; then
   tar -czf "$LOGS/step_logs.tgz" -C "$LOGS" $(cd "$LOGS" && ls step_*.log wheels.log 2>/dev/null) 2>/dev/null &&

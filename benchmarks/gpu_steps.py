@@ -171,19 +171,23 @@ def trl_steps(args) -> int:
         model = build_tiny_llama(tok, hidden_size=args.hidden, num_layers=args.layers, num_heads=8, seed=0)
         with torch.no_grad():
             model.lm_head.weight.mul_(8.0)  # peaked logits: token probabilities on both sides of eta = 0.5
-        model = model.to("cuda", torch.bfloat16)
         with tempfile.TemporaryDirectory() as tmp:
+            # a path, as TRL users pass it: with beta > 0 TRL loads the reference model from the policy's
+            # config._name_or_path, which is "" for a model built in memory (the H100 session's first error)
+            model_dir = Path(tmp) / "model"
+            model.save_pretrained(model_dir)
+            tok.save_pretrained(model_dir)
             cfg = LoptiGRPOConfig(
                 output_dir=tmp, seed=0, report_to="none", logging_steps=1, save_strategy="no", bf16=True,
                 per_device_train_batch_size=8, num_generations=8, max_completion_length=args.max_new_tokens,
                 gradient_accumulation_steps=2, steps_per_generation=2, max_steps=args.steps, learning_rate=1e-5,
                 beta=0.001, epsilon=0.2, epsilon_high=0.28, ar_alpha=0.3, lopti_eta=0.5, loss_backend="auto",
-                fused_lm_head=fused_lm_head,
+                fused_lm_head=fused_lm_head, model_init_kwargs={"dtype": torch.bfloat16},
             )  # fmt: skip
             times = _timed_callback()
             label = f"trl LoptiGRPOTrainer ar+lopti, fused_lm_head={fused_lm_head}"
             try:
-                trainer = LoptiGRPOTrainer(model=model, reward_funcs=[kk_reward], args=cfg, train_dataset=dataset,
+                trainer = LoptiGRPOTrainer(model=str(model_dir), reward_funcs=[kk_reward], args=cfg, train_dataset=dataset,
                                            processing_class=tok, callbacks=[times])  # fmt: skip
                 trainer.train()
             except Exception as exc:  # noqa: BLE001 - the next variant still runs

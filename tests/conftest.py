@@ -7,3 +7,58 @@ import torch
 if not torch.cuda.is_available():
     # Must be set before any @triton.jit definition is executed, i.e. before our triton modules import.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# ---- the `rounding` marker: the tests the alternate-dispatch pass of `make test` reruns (Makefile, TESTING.md) ----
+# A test depends on the machine's rounding when it compares floats against a tolerance or compares two computation
+# paths: it calls one of these, itself or through any function of its own module (found by reading the code
+# objects, so a new comparison helper in a test module is followed without a list to keep). Everything else in the
+# numerics files (error messages, shapes, masks, exact integer results) would only run twice for nothing.
+import inspect  # noqa: E402
+import types  # noqa: E402
+
+ROUNDING_NAMES = frozenset({
+    # tests/numerics.py and tests/kernel_cases.py: the derived bounds
+    "assert_same_computation", "assert_all_same_computation", "scalars_same_computation", "assert_near_float64",
+    "fp32_error_bound", "in_float64", "Float64Shadow", "assert_near_truth", "check_backend_matches_reference",
+    "reference_truth", "reference_in_float64",
+    # tolerance comparisons and exact float equality between two paths
+    "allclose", "assert_close", "isclose", "approx", "assert_allclose", "equal",
+})  # fmt: skip
+
+
+def _names(code: types.CodeType) -> set:
+    """Every global / attribute name ``code`` and the functions nested in it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _uses_rounding(function, module, seen: set) -> bool:
+    code = getattr(function, "__code__", None)
+    if code is None or code in seen:
+        return False
+    seen.add(code)
+    names = _names(code)
+    if names & ROUNDING_NAMES:
+        return True
+    for name in names:  # the module's own helpers (and the shared test helpers it imported), followed
+        helper = getattr(module, name, None)
+        helper_module = inspect.getmodule(helper) if inspect.isfunction(helper) else None
+        if helper_module is not None and helper_module.__name__.startswith("tests."):
+            if _uses_rounding(helper, helper_module, seen):
+                return True
+    return False
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "rounding: compares floats with a tolerance or two paths (auto-applied)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is not None and _uses_rounding(function, item.module, set()):
+            item.add_marker("rounding")

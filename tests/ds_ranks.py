@@ -80,6 +80,24 @@ def synthetic_experience(rank: int, step: int, samples: int, vocab: int, kl_in_r
     )
 
 
+def declare_mesh(strategy, shape: tuple) -> None:
+    """After upstream's ``setup_distributed``, replace the strategy's ``(dp, sp, tp)`` device mesh by one of
+    ``shape``: ranks of one ``sp`` / ``tp`` group are one data-parallel replica holding the same experience, as
+    ring attention and tensor parallelism make them. Neither runs on the CPU (flash-attn's ring attention,
+    DeepSpeed's AutoTP in bf16), so only the mesh says so: what the trainer's collectives over the ``dp`` group do
+    with such ranks is what this lets a test see; the model's forward and DeepSpeed's gradient all-reduce stay
+    those of plain data parallelism (over identical data: the same update)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    setup = strategy.setup_distributed
+
+    def setup_then_declare(*args, **kwargs):
+        setup(*args, **kwargs)
+        strategy.ds_device_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "sp", "tp"))
+
+    strategy.setup_distributed = setup_then_declare
+
+
 def _rank_main(rank: int, world: int, port: int, config: dict, out_dir: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
@@ -100,6 +118,8 @@ def _rank_main(rank: int, world: int, port: int, config: dict, out_dir: str) -> 
         errors, _ = cpu_settings(args)
         assert not errors, errors
         strategy = get_cpu_strategy(args)
+        if "mesh" in config:
+            declare_mesh(strategy, tuple(config["mesh"]))
         actor = LoptiPolicyModelActor.__ray_actor_class__(world, rank, "127.0.0.1", port)
         actor.init_model_from_pretrained(strategy, config["model"], config["max_steps"], None)
         engine, trainer = actor.actor.model, actor.trainer
@@ -121,7 +141,8 @@ def _rank_main(rank: int, world: int, port: int, config: dict, out_dir: str) -> 
         for step in range(config["steps"]):
             samples = config["samples_per_rank"][rank] if "samples_per_rank" in config else config["samples"]
             low_p = config.get("low_p_per_rank", [0.5] * world)[rank]
-            experience = synthetic_experience(rank, step, samples, config["vocab"], config["kl_in_reward"], low_p)
+            data_rank = config.get("data_rank_per_rank", list(range(world)))[rank]
+            experience = synthetic_experience(data_rank, step, samples, config["vocab"], config["kl_in_reward"], low_p)
             if config.get("poison") == [rank, step]:  # fused_policy_loss rejects it on this rank only
                 if config.get("poison_logits"):  # a NaN logit column: the kernel's per-row flag catches it
                     with torch.no_grad():
@@ -150,16 +171,19 @@ def _rank_main(rank: int, world: int, port: int, config: dict, out_dir: str) -> 
         time.sleep(0.5)
 
 
-def run_ranks(tmp_path: Path, world: int, config: dict, timeout: float = 240) -> list:
+def run_ranks(tmp_path: Path, world: int, config: dict, timeout: float = 600) -> list:
     """Run ``world`` ranks of ``config`` (``argv``, ``model``, ``max_steps``, ``steps``, ``samples``, ``vocab``,
     ``kl_in_reward``, optional ``samples_per_rank``, ``low_p_per_rank``, ``poison=[rank, step]``: a NaN advantage,
-    or with ``poison_logits`` a NaN row of the output layer, on that rank before that step).
+    or with ``poison_logits`` a NaN row of the output layer, on that rank before that step; ``data_rank_per_rank``:
+    whose synthetic experience each rank gets (default its own), with ``mesh`` ``[dp, sp, tp]``: the device mesh
+    the strategy declares, see :func:`declare_mesh`).
 
     Returns:
         One dict per rank: ``initial_params``, ``steps`` (per ``fit``: numeric status, scheduler lr, Lopti threshold,
         DeepSpeed's optimizer-step count, ``params``: the sum of each parameter's values), ``engine_steps`` (per ``engine.step()`` call: phase, boundary) and ``error``
         (the exception text) if the rank raised. A rank still running after ``timeout`` seconds is killed and
-        reported with ``error = "timeout"``: a hang.
+        reported with ``error = "timeout"``: a hang (a one-step run of 2 ranks takes ~1 min idle, ~3 min beside
+        busy processes).
     """
     import multiprocessing
 

@@ -158,3 +158,22 @@ def test_partition_property(p, eta, data):
     assert torch.equal(low | high, mask) and not torch.any(low & high)
     probs = old.exp()  # what the partition sees (exp(log p) may round away from p)
     assert torch.all(probs[low] < eta) and torch.all(probs[high] >= eta)
+
+
+@pytest.mark.parametrize("padding", [float("nan"), float("inf"), -float("inf")])
+def test_whatever_masked_positions_hold_the_rounds_metrics_are_those_of_its_response_tokens(padding):
+    """``ar/mean_weight`` and the counts read only the response tokens: NaN or inf padding in a masked position
+    (ar_weight(inf) = inf, and inf * 0 or NaN * 0 is NaN) changes nothing."""
+    from openrlhf_lopti.algo import LoptiSettings, plan_round
+
+    old = _probs_to_logp([[0.1, 0.6, 0.9, 0.3], [0.2, 0.7, 0.5, 0.5]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    padded = torch.where(mask, old, padding)
+    for settings_ in (LoptiSettings(0.5), LoptiSettings(0.5, quantile=0.5)):
+        clean, dirty = plan_round(old[mask], None, settings_, 0.3), plan_round(padded, mask, settings_, 0.3)
+        assert dirty.metrics == clean.metrics and dirty.threshold == clean.threshold
+        assert all(math.isfinite(value) for value in dirty.metrics.values())
+        assert [(p.name, p.tokens) for p in dirty.phases] == [(p.name, p.tokens) for p in clean.phases]
+        assert all(torch.equal(d.mask[mask], c.mask) and not d.mask[~mask].any() for d, c in zip(dirty.phases, clean.phases))
+    assert dirty.metrics["ar/mean_weight"] == pytest.approx(0.3 * (0.1 + 0.6 + 0.9 + 0.2 + 0.7) / 5 + 0.7)
+    assert plan_round(padded, mask, None, 0.3).metrics == plan_round(old[mask], None, None, 0.3).metrics

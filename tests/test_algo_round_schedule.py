@@ -51,3 +51,19 @@ def test_the_optimizers_rates_are_restored_too_and_no_scheduler_is_a_no_op():
     none = RoundSchedule(None)
     none.start_round()
     none.start_phase()
+
+
+def test_a_rounds_start_survives_a_checkpoint_between_its_phases():
+    """A run cut after phase 1 and resumed in a new process: phase 2 replays phase 1's rates, as uninterrupted."""
+    optimizer, scheduler = _sgd_with_schedule()
+    hold = RoundSchedule(scheduler, optimizer)
+    hold.start_round()
+    first = _phase(optimizer, scheduler, steps=2)
+    saved = {"hold": hold.state_dict(), "scheduler": scheduler.state_dict()}
+    optimizer2, scheduler2 = _sgd_with_schedule()  # the resumed process: its schedule as the checkpoint left it
+    scheduler2.load_state_dict(saved["scheduler"])
+    resumed = RoundSchedule(scheduler2, optimizer2)
+    resumed.load_state_dict(saved["hold"])
+    resumed.start_phase()
+    assert _phase(optimizer2, scheduler2, steps=2) == first
+    assert scheduler2.state_dict()["last_epoch"] == 2

@@ -79,79 +79,61 @@ TINY = ["--seeds", "2", "--methods", "grpo,ar", "--steps", "2", "--prompts-per-s
         "--num-layers", "1", "--no-progress", "--loss-backend", "torch"]  # fmt: skip
 
 
-def test_study_end_to_end_and_resume(tmp_path, capsys):
+def test_study_end_to_end_with_sgd_and_train_args_then_resume(tmp_path, capsys):
+    """One tiny study (2 seeds x GRPO and Lopti, subprocesses; the suite's most expensive command, so it runs once
+    and everything is read off it): the report, the runs' metrics and the paired analysis; --optimizer and
+    --train-args reach every run's config (and the study's setting and report); the Fig. 3 quartile shares per
+    method and paired; --compare; resume (nothing to do, then a run that lost its finish mark continues with
+    `train --resume`); a different setting in the same folder, a train flag the study owns, a bad one, or a bad
+    combination is refused before anything is written."""
     out = tmp_path / "study"
-    assert cli_main(["study", "--out", str(out), *TINY]) == 0
+    argv = ["study", "--out", str(out), *TINY, "--methods", "grpo,lopti", "--optimizer", "sgd",
+            "--train-args", "--lr 0.05 --momentum 0.9 --lopti-moments per-phase --lopti-lr-scale 0.5"]  # fmt: skip
+    assert cli_main(argv) == 0
     printed = capsys.readouterr().out
-    assert "6 of 6 jobs to run" in printed and "| grpo |" in printed and "| ar |" in printed
+    assert "6 of 6 jobs to run" in printed and "| grpo |" in printed and "| lopti |" in printed
     result = json.loads((out / "study.json").read_text())
-    assert result["seeds"] == [0, 1] and result["methods"] == ["grpo", "ar"]
-    for method in ("grpo", "ar"):
+    assert result["seeds"] == [0, 1] and result["methods"] == ["grpo", "lopti"]
+    for method in ("grpo", "lopti"):
         assert result["per_method"][method]["eval_accuracy"]["n"] == 2
         for seed in (0, 1):
             rows = [json.loads(x) for x in (out / "runs" / method / f"seed{seed}" / "metrics.jsonl").open()]
             assert [r["step"] for r in rows] == [1, 2] and all("direction/tokens_q4" in r for r in rows)
             assert result["runs"][method][str(seed)]["reward_last"] == rows[-1]["reward"]
-    grpo, ar = (result["runs"][m] for m in ("grpo", "ar"))
-    diffs = [ar[s]["reward_last"] - grpo[s]["reward_last"] for s in ("0", "1")]
-    assert result["paired_vs_grpo"]["ar"]["reward_last"]["mean"] == pytest.approx(sum(diffs) / 2)
-    assert (out / "study.png").stat().st_size > 0 and "Paired differences" in (out / "study.md").read_text()
-
-    # Run again: nothing to do. Then a run that lost its finish mark (killed after its last checkpoint)
-    # is continued with `train --resume`, not redone.
-    assert cli_main(["study", "--out", str(out), *TINY]) == 0
-    assert "0 of 6 jobs to run" in capsys.readouterr().out
-    run = out / "runs" / "ar" / "seed1"
-    (run / RUN_DONE_FILE).unlink()
-    before = (run / "metrics.jsonl").read_text()
-    assert cli_main(["study", "--out", str(out), *TINY]) == 0
-    assert "1 of 6 jobs to run" in capsys.readouterr().out
-    assert (run / RUN_DONE_FILE).exists() and (run / "metrics.jsonl").read_text() == before
-    assert (out / "logs" / "ar-seed1.log").read_text().split("$ ")[-1].split("\n")[0].endswith("--resume")
-
-    # A different setting in the same folder is refused.
-    assert cli_main(["study", "--out", str(out), *TINY, "--lr", "0.1"]) == 2
-    assert "different study" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("people", ["a", "2,x", ","])
-def test_bad_people_is_one_line_naming_the_flag(tmp_path, capsys, people):
-    out = tmp_path / "study"
-    assert cli_main(["study", "--out", str(out), "--people", people, "--no-progress"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("openrlhf-lopti study: error: --people") and "\n" not in err
-    assert "comma-separated" in err and not out.exists()
-
-
-def test_study_with_sgd_and_train_args(tmp_path, capsys):
-    """--optimizer and --train-args reach every run's config (and the study's setting and report); the Fig. 3
-    quartile shares come per method and paired; a train flag the study owns, a bad one, or a bad combination
-    is refused before anything is written."""
-    out = tmp_path / "study"
-    argv = ["study", "--out", str(out), *TINY, "--seeds", "2", "--methods", "grpo,lopti", "--optimizer", "sgd",
-            "--train-args", "--lr 0.05 --momentum 0.9 --lopti-moments per-phase --lopti-lr-scale 0.5"]  # fmt: skip
-    assert cli_main(argv) == 0
-    settings = json.loads((out / SETTINGS_FILE).read_text())
-    assert settings["optimizer"] == "sgd" and settings["train_args"].endswith("--lopti-moments per-phase --lopti-lr-scale 0.5")
-    for method in ("grpo", "lopti"):
-        for seed in (0, 1):
             config = json.loads((out / "runs" / method / f"seed{seed}" / "config.json").read_text())
             assert (config["optimizer"], config["lr"], config["momentum"]) == ("sgd", 0.05, 0.9)
             assert config["lopti_moments"] == "per-phase" and config["seed"] == seed
             assert config["lopti_lr_scale"] == 0.5
-    result = json.loads((out / "study.json").read_text())
+    grpo, lopti = (result["runs"][m] for m in ("grpo", "lopti"))
+    diffs = [lopti[s]["reward_last"] - grpo[s]["reward_last"] for s in ("0", "1")]
+    assert result["paired_vs_grpo"]["lopti"]["reward_last"]["mean"] == pytest.approx(sum(diffs) / 2)
+    assert (out / "study.png").stat().st_size > 0 and "Paired differences" in (out / "study.md").read_text()
+    settings = json.loads((out / SETTINGS_FILE).read_text())
+    assert settings["optimizer"] == "sgd" and settings["train_args"].endswith("--lopti-moments per-phase --lopti-lr-scale 0.5")
     assert result["train_config"]["optimizer"] == "sgd" and result["train_config"]["lr"] == 0.05
     assert set(FIG3_KEYS) <= set(result["per_method"]["lopti"]) and set(FIG3_KEYS) <= set(result["paired_vs_grpo"]["lopti"])
     text = (out / "study.md").read_text()
     assert "SGD lr 0.05 (momentum 0.9), Lopti per-phase optimizer state, Lopti lr x 0.5" in text and "Q4, steps 1-5" in text
-    capsys.readouterr()
     # --compare prints studies side by side from their study.json
     assert cli_main(["study", "--compare", str(out), str(out)]) == 0
     table = capsys.readouterr().out
     assert table.count("| lopti - grpo |") == 2 and "SGD lr 0.05" in table
     assert cli_main(["study", "--compare", str(tmp_path)]) == 2 and "no study.json" in capsys.readouterr().err
-    # the same setting resumes (nothing to do); without the train args it is a different study
+
+    # Run again: nothing to do. Then a run that lost its finish mark (killed after its last checkpoint)
+    # is continued with `train --resume`, not redone.
     assert cli_main(argv) == 0 and "0 of 6 jobs to run" in capsys.readouterr().out
+    run = out / "runs" / "lopti" / "seed1"
+    (run / RUN_DONE_FILE).unlink()
+    before = (run / "metrics.jsonl").read_text()
+    assert cli_main(argv) == 0
+    assert "1 of 6 jobs to run" in capsys.readouterr().out
+    assert (run / RUN_DONE_FILE).exists() and (run / "metrics.jsonl").read_text() == before
+    assert (out / "logs" / "lopti-seed1.log").read_text().split("$ ")[-1].split("\n")[0].endswith("--resume")
+
+    # A different setting in the same folder is refused: another study flag, or the train args left out.
+    assert cli_main([*argv, "--steps", "3"]) == 2
+    assert "different study" in capsys.readouterr().err
     assert cli_main(argv[:-2]) == 2 and "train_args" in capsys.readouterr().err
     for train_args, message in [
         ("--seed 3", "--seed is set by the study (--seeds)"),
@@ -166,6 +148,15 @@ def test_study_with_sgd_and_train_args(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("openrlhf-lopti study: error: --train-args") and message in err, err
         assert not bad.exists()
+
+
+@pytest.mark.parametrize("people", ["a", "2,x", ","])
+def test_bad_people_is_one_line_naming_the_flag(tmp_path, capsys, people):
+    out = tmp_path / "study"
+    assert cli_main(["study", "--out", str(out), "--people", people, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("openrlhf-lopti study: error: --people") and "\n" not in err
+    assert "comma-separated" in err and not out.exists()
 
 
 def test_a_study_written_before_optimizer_and_train_args_resumes(tmp_path):

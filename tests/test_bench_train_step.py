@@ -165,14 +165,20 @@ def test_openrlhf_records_skip_the_warm_up_steps_and_read_upstreams_timings():
         bench.openrlhf_records(args, fake_scalars(2, 0.25, False), "grpo", "eager", 0, None)
 
 
-def test_process_tree_peaks_see_a_grandchilds_peak_rss():
-    code = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
-            "'x = bytearray(150 * 2**20); import time; time.sleep(1.5)  # grandchild'])")  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", code])
+def test_process_tree_peaks_see_a_grandchilds_peak_rss(tmp_path):
+    # The grandchild holds its 150 MiB until the sampler has seen them (or 120 s, a hang guard), not for a fixed
+    # 1.5 s that a busy machine may not give the sampler's thread.
+    release = tmp_path / "release"
+    grandchild = (f"import os, time; x = bytearray(150 * 2**20)\nwhile not os.path.exists({str(release)!r}): "
+                  "time.sleep(0.05)  # grandchild")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {grandchild!r}])"])
     peaks = bench.ProcessTreePeaks(proc.pid, every=0.1)
     peaks.start()
-    proc.wait()
-    time.sleep(0.1)
+    deadline = time.monotonic() + 120
+    while (peaks.peak_mib("grandchild") or 0) < 150 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    release.touch()
+    proc.wait(timeout=120)
     peaks.done.set()
     peaks.join()
     assert peaks.peak_mib("grandchild") >= 150

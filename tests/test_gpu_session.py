@@ -17,7 +17,7 @@ STEP_NAMES = ["probe", "check-gpu", "loss-head", "lm-head-h896", "lm-head-h4096"
               "real-shape-0.5b"]  # fmt: skip
 
 
-def session(*args, env=None, timeout=60):
+def session(*args, env=None, timeout=300):  # a hang guard: seconds when idle (bash, at most a torch import)
     full = {**os.environ, "WHEELS": "/nonexistent-wheels", **(env or {})}
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=full, timeout=timeout,
                           cwd=REPO)  # fmt: skip
@@ -68,28 +68,35 @@ def test_unknown_argument_is_one_line():
 
 
 def test_a_failed_or_timed_out_step_prints_its_first_error_line_and_the_session_goes_on(tmp_path):
+    # The session's clock is a file the steps advance (GPU_SESSION_CLOCK_FILE), so what the 6-second budget lets
+    # run is the same on an idle and on a loaded machine; only "slow" waits in real time, for its 3-second timeout.
+    clock = tmp_path / "clock"
+    clock.write_text("0\n")
     steps = tmp_path / "steps.txt"
     steps.write_text(
         "ok|5|echo hello\n"
-        "fails|5|echo starting; echo 'ValueError: boom' >&2; echo 'RuntimeError: later'; exit 3\n"
-        "slow|3|echo before; echo 'TypeError: late' ; sleep 30\n"
-        "last|5|echo still runs; sleep 2\n"
+        'fails|5|echo 1 >"$GPU_SESSION_CLOCK_FILE"; echo starting; echo \'ValueError: boom\' >&2; '
+        "echo 'RuntimeError: later'; exit 3\n"
+        'slow|3|echo 4 >"$GPU_SESSION_CLOCK_FILE"; echo before; echo \'TypeError: late\' ; sleep 30\n'
+        'last|5|echo still runs; echo 5 >"$GPU_SESSION_CLOCK_FILE"\n'
         "starved|5|echo never\n"
     )
     env = {"GPU_SESSION_STEPS_FILE": str(steps), "GPU_SESSION_ASSUME_CUDA": "1", "GPU_SESSION_MIN_STEP_S": "2",
-           "GPU_SESSION_BUDGET_S": "6", "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}  # fmt: skip
+           "GPU_SESSION_BUDGET_S": "6", "GPU_SESSION_CLOCK_FILE": str(clock), "OUT": str(tmp_path / "out"),
+           "PYTHON": sys.executable}  # fmt: skip
     out = session(env=env)
     lines = out.stdout.splitlines()
     assert out.returncode == 1
     assert "== ok: ok in 0 s" in lines and "hello" in lines
-    assert any(re.fullmatch(r"== fails: FAILED \(exit 3\) after \d+ s; first error line: ValueError: boom", line)
-               for line in lines)  # fmt: skip
+    assert "== fails: FAILED (exit 3) after 1 s; first error line: ValueError: boom" in lines
     assert "== slow: TIMED OUT after 3 s; first error line: TypeError: late" in lines
+    assert "== last (budget 2 s): echo still runs; echo 5 >\"$GPU_SESSION_CLOCK_FILE\"" in lines  # what was left
     assert "still runs" in lines  # the steps after a failure still run
     assert "never" not in lines
-    # the session's total budget (6 s) is spent by then: the last step is skipped, not started short
-    assert any(line.startswith("== starved: SKIPPED (session budget spent") for line in lines)
-    assert lines[-1].startswith("gpu_session: done in ") and "3 of 5 steps failed, skipped or timed out" in lines[-1]
+    # the session's total budget (6 s) is spent by then (1 s left, under the 2 s a step needs): the last step is
+    # skipped, not started short
+    assert "== starved: SKIPPED (session budget spent: 1 s left)" in lines
+    assert lines[-1].startswith("gpu_session: done in 5 s, 3 of 5 steps failed, skipped or timed out")
     # what comes back from $OUT: the report and one bundle of the step logs (the device tool brings back 8 files)
     kept = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert kept == ["gpu_session.log", "step_logs.tgz"]
@@ -144,9 +151,10 @@ def test_deepspeed_stand_in_only_when_deepspeed_is_missing(monkeypatch):
     The stand-in is registered only when the import fails, and any use of it raises."""
     from benchmarks import gpu_steps
 
+    # `import deepspeed` now raises ImportError; both entries are monkeypatch's, so the stand-ins the test makes
+    # are gone after it (a stand-in deepspeed.utils left behind broke every later real `import deepspeed`)
     for name in ("deepspeed", "deepspeed.utils"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` now raises ImportError
+        monkeypatch.setitem(sys.modules, name, None)
     assert gpu_steps.deepspeed_stand_in() is True
     import deepspeed
 

@@ -44,7 +44,7 @@ LAYERS = (
     ("runs", "models"),
     ("ops",),
     ("algo",),
-    ("errors", ""),  # "": the package's own __init__ (its version)
+    ("errors", "install", ""),  # "": the package's own __init__ (its version); install: the pip command hints
 )
 LAYER = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}
 ALIASES = {"_C": "ops"}  # the C++ extension ops/cpp_policy_loss.py loads

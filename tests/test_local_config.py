@@ -1,5 +1,7 @@
 """TrainConfig validation, method presets and the GRPO / REINFORCE++ advantage estimators."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -33,6 +35,22 @@ def test_eta_zero_means_lopti_off_as_in_the_openrlhf_cli():
     with pytest.raises(ConfigError, match="eta 0 means Lopti off") as err:
         make(eta=0.0, lopti=True)
     assert err.value.field == "eta"
+
+
+def test_eta_and_a_quantile_together_are_refused_naming_both():
+    """algo's one rule (docs/LOPTI_ROUND.md); a quantile alone, or eta alone, is accepted. (Before: the quantile won
+    and --eta was ignored without a word.)"""
+    from openrlhf_lopti.errors import UserError
+    from openrlhf_lopti.local.cli import build_parser, config_from_args
+
+    with pytest.raises(ConfigError, match="^eta=0.3 and lopti_quantile=0.2 are two Lopti thresholds") as err:
+        make(lopti=True, eta=0.3, lopti_quantile=0.2)
+    assert err.value.field == "eta"
+    argv = ["--model", "m", "--out", "o", "--lopti", "--eta", "0.3", "--lopti-quantile", "0.2"]
+    with pytest.raises(UserError, match="^--eta=0.3 and lopti_quantile=0.2 are two Lopti thresholds"):
+        config_from_args(build_parser().parse_args(argv))
+    assert make(lopti_quantile=0.2).lopti_settings.quantile == 0.2 and make(lopti=True, eta=0.3).lopti_settings.eta == 0.3
+    assert make(lopti=True).lopti_settings.eta == 0.5  # eta unset: the paper's
 
 
 def test_presets_and_method_names():
@@ -78,3 +96,27 @@ def test_reinforce_pp_advantages_by_hand():
     got = reinforce_pp_advantages(rewards, mask, old, ref, kl)
     assert torch.allclose(got, expected, atol=1e-5)
     assert got[1, 2] == 0
+
+
+def test_train_defaults_are_the_demo_settings():
+    # `openrlhf-lopti train` with no flags trains as the demo does (issue 40: with lr 1e-3, 32 new tokens and torch's
+    # thread count, the README's 50 AR+Lopti steps on the demo's model lowered its reward, and ran ~9x slower).
+    from openrlhf_lopti.demo.run import MAX_NEW_TOKENS, build_parser as demo_parser, method_config
+    from openrlhf_lopti.local.cli import build_parser as train_parser
+
+    demo_args = demo_parser().parse_args([])
+    demo = method_config(Path("demo"), "grpo", demo_args)
+    train = TrainConfig(model="m", out="o")
+    shared = ("lr", "max_new_tokens", "temperature", "people", "prompts_per_step", "n_samples", "mini_batch_size",
+              "seed", "kl_coef", "eps_low", "eps_high", "optimizer", "estimator", "epochs", "grad_clip")
+    assert {k: getattr(train, k) for k in shared} == {k: getattr(demo, k) for k in shared}
+    assert (train.lr, train.max_new_tokens) == (5e-4, MAX_NEW_TOKENS) == (5e-4, 20)
+    assert train_parser().parse_args(["--model", "m"]).threads == demo_args.threads == 1
+
+
+def test_train_refuses_negative_threads():
+    from openrlhf_lopti.errors import UserError
+    from openrlhf_lopti.local.cli import main
+
+    with pytest.raises(UserError, match=r"^--threads must be >= 0 \(0: torch's choice\), got -1$"):
+        main(["--model", "m", "--out", "o", "--threads", "-1"])

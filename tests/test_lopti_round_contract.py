@@ -7,12 +7,12 @@ padding, and (for one setting) an empty phase. For each setting:
    the same ``algo.LoptiSettings`` (or to no Lopti);
 2. the round as the local trainer plans it (``local.update.plan_lopti_round``) is ``algo.plan_round``'s;
 3. two gloo ranks, each holding half the batch, plan the round through OpenRLHF's trainer's data-parallel gather
-   (``LoptiActorPPOTrainer._gather_over_dp`` over a real ``DeviceMesh``, upstream's ``DeepspeedStrategy.all_reduce``)
+   (``LoptiActorPPOTrainer._gather_over_dp`` / ``_sum_metrics_over_dp`` over a real ``DeviceMesh``)
    and through TRL's trainer's (``LoptiGRPOTrainer._gather_over_processes`` / ``_sum_over_processes`` on a real
    ``accelerate.Accelerator``), and decide the threshold, each token's phase and the metrics of one process
    planning the whole batch.
 
-What 3 cannot show: the trainers around those methods (they are bound to a namespace holding only what they
+What 3 cannot show: the trainers around those methods (they are bound to an object holding only what they
 read). The whole trainers are run elsewhere: OpenRLHF's with 2 DeepSpeed ranks and a quantile
 (test_openrlhf_deepspeed.py), TRL's on one process (test_trl_round.py, test_trl_trainer.py), the local update
 (test_local_update.py).
@@ -125,6 +125,38 @@ def test_every_front_end_maps_its_options_to_the_same_settings(name, local, open
     assert trl_cfg.lopti_settings == expected
 
 
+def test_every_front_end_refuses_eta_and_a_quantile_together_in_one_line_naming_both(tmp_path, capsys):
+    """algo.lopti_settings' one rule (docs/LOPTI_ROUND.md): two thresholds, neither silently wins. (Before: the
+    quantile won in every front end and eta was ignored without a word.)"""
+    from openrlhf_lopti.algo import lopti_settings
+    from openrlhf_lopti.local.config import TrainConfig
+
+    def refusal(build) -> str:
+        with pytest.raises(ValueError) as info:
+            build()
+        message = str(info.value)
+        assert "\n" not in message and "two Lopti thresholds" in message, message
+        return message
+
+    assert "eta=0.3 and quantile=0.2" in refusal(lambda: lopti_settings(True, 0.3, "low_first", 0.2))
+    message = refusal(lambda: TrainConfig(model="m", out="o", lopti=True, eta=0.3, lopti_quantile=0.2))
+    assert "eta=0.3" in message and "lopti_quantile=0.2" in message
+    pytest.importorskip("openrlhf")
+    from openrlhf_lopti.cli.train_ppo_ray import parse_args
+
+    base = ["--actor.model_name_or_path", "m", "--reward.remote_url", "reward.py"]
+    with pytest.raises(SystemExit):  # the CLI's argparse error: usage, then one line
+        parse_args(base + ["--algo.lopti.eta", "0.3", "--algo.lopti.quantile", "0.2"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--algo.lopti.eta=0.3 and --algo.lopti.quantile=0.2 are two Lopti thresholds" in line
+    pytest.importorskip("trl")
+    from openrlhf_lopti.trl import LoptiGRPOConfig
+
+    trl = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, lopti_eta=0.3, lopti_quantile=0.2)
+    assert "lopti_eta=0.3 and lopti_quantile=0.2" in refusal(lambda: LoptiGRPOConfig(**trl))
+    # verl's key (actor_rollout_ref.actor.policy_loss.lopti_eta / .lopti_quantile): tests/verl/test_config.py
+
+
 @pytest.mark.parametrize("name, local, openrlhf, trl, expected", SETTINGS, ids=[s[0] for s in SETTINGS])
 def test_the_local_trainer_plans_algos_round(name, local, openrlhf, trl, expected):
     from openrlhf_lopti.local.config import TrainConfig
@@ -149,7 +181,7 @@ def assert_same_round(got: dict, want: dict) -> None:
     assert got["threshold"] == want["threshold"]  # the same fp32 values sorted: bit-equal
     assert got["phases"] == want["phases"]
     assert got["metrics"].keys() == want["metrics"].keys()
-    # OpenRLHF's all_reduce sums in fp32: a sum of n <= 17 weights in [0, 1] may differ by n fp32 roundings of
+    # an all-reduce may sum in fp32 (TRL's): a sum of n <= 17 weights in [0, 1] may differ by n fp32 roundings of
     # itself (17 * 2^-24 < 1.1e-6); counts (< 2^24) and the threshold (not reduced) are exact
     for key, value in want["metrics"].items():
         assert math.isclose(got["metrics"][key], value, rel_tol=17 * 2.0**-24, abs_tol=0.0), key
@@ -167,21 +199,18 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         from openrlhf_lopti.openrlhf.cpu.stubs import install_cpu_stubs
 
         install_cpu_stubs()
-        from openrlhf.utils.deepspeed import DeepspeedStrategy
-
         from openrlhf_lopti.openrlhf.cpu.strategy import answer_cuda_calls_on_cpu
         from openrlhf_lopti.openrlhf.trainer import LoptiActorPPOTrainer
         from openrlhf_lopti.trl.trainer import LoptiGRPOTrainer
 
         answer_cuda_calls_on_cpu()
         accelerator = Accelerator(cpu=True)  # initialises the gloo group from the environment
-        strategy = SimpleNamespace(world_size=world, ds_device_mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
-        strategy.all_reduce = functools.partial(DeepspeedStrategy.all_reduce, strategy)
-        openrlhf = SimpleNamespace(strategy=strategy)
+        strategy = SimpleNamespace(ds_device_mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+        openrlhf = LoptiActorPPOTrainer.__new__(LoptiActorPPOTrainer)  # only its collectives run: they read strategy
+        openrlhf.strategy = strategy
         trl = SimpleNamespace(accelerator=accelerator)
         drivers = {
-            "openrlhf": dict(gather=functools.partial(LoptiActorPPOTrainer._gather_over_dp, openrlhf),
-                             all_reduce=lambda sums: strategy.all_reduce(sums, op="sum")),
+            "openrlhf": dict(gather=openrlhf._gather_over_dp, all_reduce=openrlhf._sum_metrics_over_dp),
             "trl": dict(gather=functools.partial(LoptiGRPOTrainer._gather_over_processes, trl),
                         all_reduce=functools.partial(LoptiGRPOTrainer._sum_over_processes, trl)),
         }  # fmt: skip
@@ -206,7 +235,7 @@ def test_two_ranks_decide_what_one_process_decides_for_the_whole_batch(tmp_path)
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=300)
+        p.join(timeout=600)  # a hang guard: the ranks take ~30 s, more beside busy processes
         if p.is_alive():
             p.kill()
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]

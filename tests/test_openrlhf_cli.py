@@ -21,8 +21,9 @@ BASE = ["--actor.model_name_or_path", "m", "--reward.remote_url", "reward.py"]
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
+    # timeout: a hang guard (seconds when idle), wide enough for a machine busy with other work
     return subprocess.run(
-        [sys.executable, "-m", MODULE, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+        [sys.executable, "-m", MODULE, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=600
     )
 
 
@@ -57,6 +58,7 @@ def test_launch_without_the_gpu_stack_says_so():
         (["--algo.ar.alpha", "nan"], "argument --algo.ar.alpha: alpha must be in [0, 1]"),
         (["--algo.lopti.eta", "x"], "argument --algo.lopti.eta: not a number: 'x'"),
         (["--algo.lopti.eta", "0.5", "--algo.lopti.quantile", "1"], "argument --algo.lopti.quantile: quantile"),
+        (["--algo.lopti.eta", "0.5", "--algo.lopti.quantile", "0.3"], "--algo.lopti.eta=0.5 and --algo.lopti.quantile=0.3"),
         (["--algo.lopti.order", "middle"], "argument --algo.lopti.order: invalid choice"),
         (["--algo.lopti.denominator", "some"], "argument --algo.lopti.denominator: invalid choice"),
         (["--actor.fused_loss", "cuda"], "argument --actor.fused_loss: invalid choice"),

@@ -151,7 +151,7 @@ def test_the_cli_refuses_a_moe_model_in_one_line_within_seconds(tmp_path):
     start = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "openrlhf_lopti.cli.train_ppo_ray", *BASE, "--actor.model_name_or_path", str(model)],
-        capture_output=True, text=True, cwd=REPO, timeout=120, env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        capture_output=True, text=True, cwd=REPO, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"),
     )  # fmt: skip
     seconds = time.monotonic() - start
     print(f"refused in {seconds:.1f} s")
@@ -159,4 +159,6 @@ def test_the_cli_refuses_a_moe_model_in_one_line_within_seconds(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith(f"--cpu: --actor.model_name_or_path {model}: a mixture-of-experts model"), result.stderr
     assert "Traceback" not in result.stderr and "ray" not in result.stderr.lower().replace("array", "")
-    assert seconds < 60  # parsing and config.json only: no Ray, no vLLM (measured: about 10 s on 2 loaded cores)
+    # Times real work: parsing and config.json only, no Ray, no vLLM (measured: about 10 s on 2 loaded cores; the
+    # bound allows 10x); that no Ray started is also read from stderr above.
+    assert seconds < 100

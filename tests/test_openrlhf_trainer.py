@@ -420,7 +420,7 @@ def test_phase_masks_advantages_and_denominators(denominator, mask_dtype, env, s
 
 @pytest.mark.parametrize("denominator", ["all", "phase"])
 def test_quantile_phases_train_exactly_the_tokens_below_the_rounds_threshold(denominator, env, spy_upstream_step):
-    flags = ["--algo.lopti.eta", "0.9", "--algo.lopti.quantile", "0.4", "--algo.lopti.denominator", denominator]
+    flags = ["--algo.lopti.quantile", "0.4", "--algo.lopti.denominator", denominator]
     run = train_round(env, Lopti, make_args(*flags))
     p, response = run.experience.action_log_probs.exp(), run.experience.action_mask
     threshold = torch.quantile(p[response].double(), 0.4).item()  # torch's own quantile, not ours
@@ -557,14 +557,14 @@ def test_windows_without_tokens_of_the_phase_train_without_nans(aggregation, env
 
 
 def test_quantile_threshold_with_no_and_with_one_response_token(env):
-    args = make_args("--algo.lopti.eta", "0.3", "--algo.lopti.quantile", "0.5")
+    args = make_args("--algo.lopti.quantile", "0.5")
     trainer, _ = make_trainer(env, Lopti, args, make_actor(env, args))
     old = torch.log(torch.tensor([0.2, 0.6, 0.9]))
 
     def threshold(response):  # the trainer's round settings and its data-parallel gather (one process here)
         return round_threshold(old.exp()[response], trainer.lopti.lopti, trainer._gather_over_dp)
 
-    assert threshold(torch.tensor([False, False, False])) == 0.3  # nothing to take it of: eta
+    assert threshold(torch.tensor([False, False, False])) == 0.5  # nothing to take it of: the paper's eta
     assert threshold(torch.tensor([False, True, False])) == pytest.approx(0.6)
     assert threshold(torch.tensor([True, True, True])) == pytest.approx(0.6)  # the median
 
@@ -1035,7 +1035,7 @@ def test_merge_phase_status_rules():
 
 
 def test_quantile_sets_the_fraction_of_low_tokens(env):
-    run = train_round(env, Lopti, make_args("--algo.lopti.eta", "0.5", "--algo.lopti.quantile", "0.4"))
+    run = train_round(env, Lopti, make_args("--algo.lopti.quantile", "0.4"))
     probs = run.experience.action_log_probs.exp()[run.experience.action_mask]
     assert run.status["lopti/threshold"] == pytest.approx(torch.quantile(probs, 0.4).item(), rel=1e-6)
     assert run.status["lopti/low_token_frac"] == pytest.approx(0.4, abs=1.0 / probs.numel() + 1e-9)
@@ -1051,7 +1051,7 @@ def test_a_quantile_of_probabilities_that_underflow_still_trains_both_phases(env
         low = torch.arange(len(experience.sequences))[:, None] < 6  # 6 of the 8 responses
         experience.action_log_probs = torch.where(low, -200.0, math.log(0.7)) * experience.action_mask
 
-    run = train_round(env, Lopti, make_args("--algo.lopti.eta", "0.5", "--algo.lopti.quantile", "0.5"), edit=underflow)
+    run = train_round(env, Lopti, make_args("--algo.lopti.quantile", "0.5"), edit=underflow)
     assert run.status["lopti/threshold"] == torch.finfo(torch.float32).tiny
     response = run.experience.action_mask
     low = response & (torch.arange(len(response))[:, None] < 6)
@@ -1127,7 +1127,7 @@ def test_each_token_trains_in_the_phase_it_was_counted_in_wherever_the_split_run
 def test_tokens_at_the_threshold_train_in_the_high_phase(env, spy_upstream_step):
     """Low means p < threshold, strictly, in the phase masks and in the counts alike: with most tokens at p = 0.5
     the median is 0.5 itself, and those tokens are "high"."""
-    args = make_args("--algo.lopti.eta", "0.9", "--algo.lopti.quantile", "0.5")
+    args = make_args("--algo.lopti.quantile", "0.5")
     run = train_round(env, Lopti, args, edit=rollout_probs(3, low_p=0.2, high_p=0.5))
     response = run.experience.action_mask
     low = response & (torch.arange(len(response))[:, None] < 3)
@@ -1136,6 +1136,45 @@ def test_tokens_at_the_threshold_train_in_the_high_phase(env, spy_upstream_step)
     assert {call["phase"] for call in spy_upstream_step} == {"low", "high"}
     high_tokens = sum(call["mask"].sum().item() for call in spy_upstream_step if call["phase"] == "high")
     assert high_tokens == (response & ~low).sum()
+
+
+@pytest.mark.parametrize("denominator", ["all", "phase"])
+def test_every_phase_trains_the_tokens_the_round_put_in_it(denominator, env, spy_upstream_step):
+    """The trainer reads each phase's mask from ``plan_round``, never re-derives one from another: here the round
+    (planted through the trainer's ``plan_round``) puts in "high" only the tokens of p >= 0.8, not every response
+    token that is not "low" (p = 0.6 too), and only those train in the high phase (a trainer taking "high" as the
+    complement of "low" trains the p = 0.6 tokens too)."""
+    import openrlhf_lopti.openrlhf.trainer as trainer_module
+
+    real_plan_round = trainer_module.plan_round
+
+    def planted(old_log_probs, response, *args, **kwargs):
+        lopti_round = real_plan_round(old_log_probs, response, *args, **kwargs)
+        for phase in lopti_round.phases:
+            if phase.name == "high":
+                phase.mask = phase.mask & (old_log_probs.exp() >= 0.8)
+                phase.tokens = int(phase.mask.sum())
+        return lopti_round
+
+    env.monkeypatch.setattr(trainer_module, "plan_round", planted)
+
+    def three_levels(experience):  # responses 0-2: p = 0.2 (low), 3-5: p = 0.6, 6-7: p = 0.9
+        row = torch.arange(len(experience.sequences))[:, None]
+        p = torch.where(row < 3, 0.2, torch.where(row < 6, 0.6, 0.9)).expand_as(experience.action_log_probs)
+        experience.action_log_probs = torch.log(p) * experience.action_mask
+
+    args = make_args("--algo.lopti.eta", "0.5", "--algo.lopti.denominator", denominator)
+    run = train_round(env, Lopti, args, edit=three_levels)
+    assert {call["phase"] for call in spy_upstream_step} == {"low", "high"}
+    for call in spy_upstream_step:
+        p = call["old"].exp()
+        expected = call["response"] & ((p < 0.5) if call["phase"] == "low" else (p >= 0.8))
+        assert torch.equal(call["mask"].bool(), expected), call["phase"]
+        assert torch.all(call["advantages"][~expected] == 0)
+    response = run.experience.action_mask
+    row = torch.arange(len(response))[:, None]
+    trained_high = sum(int(call["mask"].sum()) for call in spy_upstream_step if call["phase"] == "high")
+    assert trained_high == int((response & (row >= 6)).sum()) < int((response & (row >= 3)).sum())
 
 
 def test_a_batch_of_one_response_token(env, spy_upstream_step):

@@ -467,11 +467,11 @@ def test_jit_fallback_without_csrc_says_why(tmp_path):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["package"] == str(package / "__init__.py"), got  # the copy, not the checkout
     assert got["available"] is False
-    csrc = tmp_path / "site" / "csrc"
+    where = f"{package / 'csrc'} or {tmp_path / 'site' / 'csrc'}"
     assert got["warnings"] == [
         "openrlhf_lopti: C++ policy-loss kernel unavailable, using the torch backend (openrlhf_lopti._C: "
-        f"import of openrlhf_lopti._C halted; None in sys.modules; JIT build failed: no C++ sources in {csrc} "
-        "(an install without csrc/))"
+        f"import of openrlhf_lopti._C halted; None in sys.modules; JIT build impossible: no C++ sources in {where} "
+        '(a wheel built without them): reinstall, pip install "openrlhf-lopti" --force-reinstall --no-deps)'
     ], got["warnings"]
     assert not (tmp_path / "ext").exists()
 

@@ -265,3 +265,25 @@ def test_check_gpu_reports_the_skipped_cases_and_its_verdict(monkeypatch, capsys
         "skipped: N=14336 V=151936 T=1.0 bfloat16 (needs 15.2 GB, 9.0 GB free)"
     )
     assert cli_main(["check-gpu", "--no-bench"]) == 1 and "FAILED in 1.5 s" in capsys.readouterr().out
+
+
+def test_rounding_left_where_the_reference_gradient_cancels_to_zero_passes_and_a_real_error_there_fails(monkeypatch):
+    """At V=1 every gradient entry is exactly 0 in the reference (the softmax is 1); an H100 left ~4e-15 there and
+    the wide grid failed by "4.8e+25" bounds, because the bound was relative to the cancelled result. The bound is
+    relative to the size of the terms that cancel (the upstream gradient over T); a real error still fails."""
+    cases = (self_check.Case(1, 1, torch.float32, temperature=0.6), self_check.Case(1, 1, torch.bfloat16, 0.6))
+
+    def kernel_off_by(offset):
+        def kernel(logits, *args, **kwargs):
+            out, bad_rows = reference_kernel(logits, *args, **kwargs)
+            # the gradient moves by `offset` per unit of the logp's upstream gradient: the forward values are unchanged
+            out.logp = out.logp + offset * (logits.float().sum(-1) - logits.float().sum(-1).detach())
+            return out, bad_rows
+
+        return kernel
+
+    for offset, passes in ((4e-15, True), (1e-2, False)):
+        monkeypatch.setattr(triton_ops, "triton_policy_loss", kernel_off_by(offset))
+        result = run_self_check(CPU, cases=cases)
+        assert result.ok is passes, (offset, result.summary())
+        assert passes or result.worst["float32"] > 1  # fp32's bound has no dtype ulp in it: the error is seen there

@@ -333,7 +333,9 @@ def test_reward_is_fast_and_total_on_adversarial_strings():
     elapsed = time.perf_counter() - start
     assert all(r in (3.0, -0.5, -1.0, -3.0) for r in rewards)
     assert rewards[-2] == 3.0 and rewards[0] == -3.0
-    assert elapsed < 5.0, f"reward took {elapsed:.2f}s on 8 MB of adversarial text"
+    # Times real work: 3.1 s measured beside busy processes (load 15, 2 cores); 30 s allows 10x and still fails
+    # a super-linear regex on these megabytes (quadratic: ~10^12 steps, hours).
+    assert elapsed < 30.0, f"reward took {elapsed:.2f}s on 8 MB of adversarial text"
 
 
 # --------------------------------------------------------------------------------------------------

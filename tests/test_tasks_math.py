@@ -117,7 +117,9 @@ def test_reward_is_fast_on_huge_responses():
     ]
     start = time.perf_counter()
     rewards = [m.reward(c, "1") for c in cases]
-    assert time.perf_counter() - start < 5.0
+    # Times real work: 1.4 s measured beside busy processes (load 15, 2 cores); 15 s allows 10x and still fails
+    # the super-linear parse it guards against (quadratic on 1 MB: ~10^12 steps, hours).
+    assert time.perf_counter() - start < 15.0
     assert rewards == [0.0, 1.0, 0.0, 0.0, 0.0]
 
 

@@ -4,8 +4,13 @@
 - the KL penalty with ``top_entropy_quantile`` is TRL's (the entropy mask is on the surrogate only);
 - ``max_steps`` that would stop between the two phases of a round is refused;
 - both phases of a round train at one learning rate: the LR schedule moves once per round;
-- ``track_direction`` logs ``direction/*`` over the round's tokens.
+- ``track_direction`` logs ``direction/*`` over the round's tokens;
+- a run resumed from a checkpoint cut mid-round trains every later optimizer step on the phase, learning rate and
+  batch of the uninterrupted run; a mid-round checkpoint without its round is refused in one line;
+- ``max_steps`` derived from ``num_train_epochs`` is whole rounds.
 """
+
+import os
 
 import pytest
 import torch
@@ -106,3 +111,79 @@ def test_track_direction_logs_the_rounds_fig3_counts(tmp_path, tok):
     tokens = sum(logged[f"direction/tokens_q{q}"] for q in (1, 2, 3, 4))
     assert tokens == float(recorded[0]["completion_mask"].sum())  # every response token of the round, once
     assert any(k.startswith("direction/pos_up_q") for k in logged) or logged.get("direction/pos_tokens_q1") == 0
+
+
+class StepLog(LoptiGRPOTrainer):
+    """Records, per micro-step, ``(optimizer step, phase, learning rate)`` and the micro-batch's completions."""
+
+    def _compute_loss(self, model, inputs):
+        self.steps.append((self.state.global_step, inputs["lopti_phase"], self.optimizer.param_groups[0]["lr"]))
+        self.completions.append(inputs["completion_ids"].clone())
+        return super()._compute_loss(model, inputs)
+
+
+def step_log(cfg, tok, model):
+    trainer = StepLog(model=model, reward_funcs=[distinct_words], args=cfg, train_dataset=kk_dataset(8),
+                      processing_class=tok)  # fmt: skip
+    trainer.steps, trainer.completions = [], []
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def cut_run(tmp_path_factory, tok):
+    """3 rounds of 2 optimizer steps (one per phase), linear LR decay, a checkpoint at step 3: after round 1's
+    low phase, in the middle of the round."""
+    out = tmp_path_factory.mktemp("cut")
+    start = out / "tiny"
+    tiny_model(tok).save_pretrained(start)
+    cfg = LoptiGRPOConfig(**settings(out, max_steps=6, gradient_accumulation_steps=1, steps_per_generation=1,
+                                     lopti_eta=0.5, lr_scheduler_type="linear", save_strategy="steps",
+                                     save_steps=3))  # fmt: skip
+    whole = step_log(cfg, tok, str(start))
+    whole.train()
+    return cfg, str(start), whole
+
+
+def test_a_run_resumed_mid_round_trains_every_step_as_the_uninterrupted_run(cut_run, tok):
+    """(Before: TRL's micro-step counter restarted at 0, so step 3 trained the low phase of a new batch at the
+    learning rate of step 4, and every later step the other phase.)"""
+    cfg, start, whole = cut_run
+    lr = cfg.learning_rate
+    assert [(step, phase) for step, phase, _ in whole.steps] == [(0, 0), (1, 1), (2, 0), (3, 1), (4, 0), (5, 1)]
+    assert [rate for _, _, rate in whole.steps] == pytest.approx([lr, lr, 2 * lr / 3, 2 * lr / 3, lr / 3, lr / 3])
+    checkpoint = os.path.join(cfg.output_dir, "checkpoint-3")
+    resumed = step_log(cfg, tok, start)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.steps == whole.steps[3:]  # the same optimizer steps, phases and learning rates, exactly
+    assert resumed.state.global_step == 6
+    assert torch.equal(resumed.completions[0], whole.completions[3])  # round 1's high phase: round 1's batch
+    assert torch.equal(resumed.completions[0], whole.completions[2])
+    for a, b in zip(resumed.model.parameters(), whole.model.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+    assert os.path.exists(os.path.join(checkpoint, "lopti_round-0.pt"))  # cut mid-round: the round is saved
+    assert not os.path.exists(os.path.join(cfg.output_dir, "checkpoint-6", "lopti_round-0.pt"))  # a round's end
+
+
+def test_a_mid_round_checkpoint_without_its_round_is_refused(cut_run, tok, tmp_path):
+    import shutil
+
+    cfg, start, _ = cut_run
+    checkpoint = tmp_path / "checkpoint-3"
+    shutil.copytree(os.path.join(cfg.output_dir, "checkpoint-3"), checkpoint)
+    (checkpoint / "lopti_round-0.pt").unlink()  # e.g. saved by a trainer that did not save rounds
+    with pytest.raises(ValueError) as info:
+        step_log(cfg, tok, start).train(resume_from_checkpoint=str(checkpoint))
+    message = str(info.value)
+    assert "resume_from_checkpoint" in message and "micro-step 1" in message and "\n" not in message
+
+
+def test_max_steps_from_epochs_is_whole_rounds(tmp_path, tok):
+    """5 prompts, one per generation: an epoch is 5 rounds of 2 optimizer steps; half an epoch is 5 steps, which
+    would end on a low phase. (Before: 5 steps, the last round without its high phase.)"""
+    cfg = LoptiGRPOConfig(**settings(tmp_path, max_steps=-1, num_train_epochs=0.5, gradient_accumulation_steps=1,
+                                     steps_per_generation=1, lopti_eta=0.5))  # fmt: skip
+    trainer = step_log(cfg, tok, tiny_model(tok))
+    trainer.train_dataset = kk_dataset(5)
+    trainer.train()
+    assert trainer.state.global_step == 6
+    assert [phase for _, phase, _ in trainer.steps] == [0, 1] * 3

@@ -7,7 +7,12 @@ import sys
 
 import pytest
 
-MESSAGE = 'openrlhf_lopti.verl needs verl: pip install "openrlhf-lopti[verl]" (its own environment: see docs/VERL.md)'
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# from a checkout, the command installs the extra from that checkout (the package is on no index)
+MESSAGE = ("openrlhf_lopti.verl needs verl 0.9.1, in its own environment (it needs transformers<5.11): "
+           f'make -C "{REPO}" venv-verl, then use {REPO}/.venv-verl/bin/python (see docs/VERL.md)')
 
 
 def test_importing_the_verl_front_end_without_verl_raises_one_line(monkeypatch):

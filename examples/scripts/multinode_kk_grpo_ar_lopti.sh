@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Knights & Knaves, GRPO + AR + Lopti on a Ray cluster of NUM_NODES nodes x 8 GPUs (default 2 nodes:
-# Qwen2.5-7B-Instruct-1M). Every node needs the same environment (pip install openrlhf-lopti[gpu] with
+# Qwen2.5-7B-Instruct-1M). Every node needs the same environment (docs/INSTALL.md, the OpenRLHF-on-GPU block: with
 # openrlhf==0.11.2, vLLM, flash-attn) and the same paths: data and the reward file are read on the node where
 # each Ray actor runs, so put them on shared storage or install the package at the same path everywhere.
 #

@@ -1,19 +1,23 @@
 """Knights & Knaves with TRL: GRPO + AR + Lopti, the paper's best K&K setting (alpha = 0.3, eta = 0.5).
 
-On GPUs (after ``python -m openrlhf_lopti data kk --out data/kk``):
+On GPUs (after ``python -m openrlhf_lopti data kk --out data/kk``), one process per GPU:
 
-    accelerate launch examples/trl/train_kk_grpo_ar_lopti.py --model Qwen/Qwen2.5-3B-Instruct \
+    accelerate launch --num_processes 8 examples/trl/train_kk_grpo_ar_lopti.py --model Qwen/Qwen2.5-3B-Instruct \
         --data data/kk/train.jsonl --output-dir runs/trl-kk-ar-lopti [--vllm]
 
-A rehearsal on CPU with a tiny random Llama and generated puzzles (no download, about a minute):
+A rehearsal on CPU with a tiny Llama briefly warmed up on K&K's answer format (no download), one process, or two
+processes over gloo (``torchrun``; ``accelerate launch --cpu`` starts one process whatever ``--num_processes`` says):
 
     python examples/trl/train_kk_grpo_ar_lopti.py --cpu --output-dir runs/trl-kk-cpu
+    torchrun --nproc_per_node 2 examples/trl/train_kk_grpo_ar_lopti.py --cpu --output-dir runs/trl-kk-cpu-2
 
 Paper settings (PAPER_NOTES.md section 5): temperature 0.7, 8 responses per prompt, 64 prompts (512 responses)
 per generation, updates of 256 responses (2 optimizer steps per generation and Lopti phase), AdamW lr 1e-6,
 k3 KL coefficient 0.001, clip 0.2 / 0.24, token-mean loss over the batch (TRL's ``dapo``), 4096 response tokens.
 The batch shape assumes 8 processes (``--per-device-batch 4 --grad-accum 8``): 4 x 8 x 8 = 256 responses per
 optimizer step; change the two for another count so that their product times the processes stays 256.
+Files shared by the processes (the CPU rehearsal's starting model, the final model) are written by the main
+process only.
 """
 
 import argparse
@@ -34,28 +38,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--vllm", action="store_true", help="generate with vLLM (colocated), TRL's use_vllm")
     p.add_argument("--fused-lm-head", action="store_true", help="fused_linear_policy_loss (one process only)")
-    p.add_argument("--cpu", action="store_true", help="rehearse on CPU: tiny random Llama, generated puzzles")
+    p.add_argument("--cpu", action="store_true", help="rehearse on CPU: tiny warmed-up Llama, generated puzzles")
+    p.add_argument("--warmup-steps", type=int, default=30, help="--cpu: supervised warm-up steps of the tiny Llama")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
 def cpu_setup(args):
-    """Tiny word-level Llama and compact K&K prompts (2-3 people): what the local demo trains."""
+    """A tiny word-level Llama, teacher-forced for ``--warmup-steps`` on K&K answers (the local demo's warm-up) so
+    that its rewards spread and its token probabilities fall on both sides of eta; compact K&K prompts."""
+    from accelerate import PartialState
     from datasets import Dataset
 
     from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer
+    from openrlhf_lopti.demo.warmup import supervised_warmup
     from openrlhf_lopti.local.task import compact_prompt, puzzles
 
     tok = build_word_tokenizer()
     model = os.path.join(args.output_dir, "initial")  # a path: TRL loads the KL reference model from it
-    build_tiny_llama(tok, hidden_size=64, num_layers=2, num_heads=2, seed=args.seed).save_pretrained(model)
-    tok.save_pretrained(model)
-    records = puzzles(0, 0, 64, [2, 3])
+    state = PartialState(cpu=True)  # the launcher's processes (one without a launcher), over gloo
+    if state.is_main_process:  # one writer; the others wait for it below
+        tiny = build_tiny_llama(tok, hidden_size=64, num_layers=2, num_heads=2, seed=args.seed)
+        supervised_warmup(tiny, tok, args.warmup_steps, batch_size=16, seed=args.seed, progress=False)
+        tiny.save_pretrained(model)
+        tok.save_pretrained(model)
+    state.wait_for_everyone()
+    records = puzzles(0, 0, 64, [2])
     data = Dataset.from_list([{"prompt": compact_prompt(r), "label": r["solution_text_format"]} for r in records])
     settings = dict(
-        use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=1,
+        use_cpu=True, bf16=False, per_device_train_batch_size=8, num_generations=8, gradient_accumulation_steps=1,
         steps_per_generation=2, max_completion_length=24, max_steps=args.max_steps if args.max_steps > 0 else 4,
-        learning_rate=1e-3, logging_steps=1,
+        learning_rate=1e-3, logging_steps=1, use_vllm=args.vllm, vllm_mode="colocate",
+        # the CPU colocate path (docs/TRL.md): an fp32 engine, whose sampled log-probs are the trainer's
+        vllm_dtype="float32" if args.vllm else "auto",
     )  # fmt: skip
     return model, tok, data, settings
 
@@ -99,6 +114,9 @@ def main(argv=None) -> int:
     trainer = LoptiGRPOTrainer(
         model=model, reward_funcs=[kk_reward], args=config, train_dataset=data, processing_class=tok
     )
+    accelerator = trainer.accelerator
+    if accelerator.is_main_process:  # says how many processes the launcher really started
+        print(f"training on {accelerator.num_processes} process(es), backend {accelerator.state.backend}", flush=True)
     trainer.train()
     trainer.save_model(args.output_dir)
     return 0

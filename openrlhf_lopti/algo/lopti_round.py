@@ -6,7 +6,8 @@ its accumulation windows and its collectives are the framework's; what the phase
 
 The rules (PAPER_NOTES.md section 4 and the authors' code), the same in every front end:
 
-- Lopti is on when ``eta`` or ``quantile`` is given (:func:`lopti_settings`): a quantile alone turns it on.
+- Lopti is on when ``eta`` or ``quantile`` is given (:func:`lopti_settings`): a quantile alone turns it on. Both
+  given is refused (:func:`lopti_settings`): they are two thresholds, and neither may silently win.
 - A response token is "low" when its rollout probability ``p = exp(old_log_prob)`` is below the threshold
   (``p < threshold``), "high" otherwise. The threshold is ``eta``, or the ``quantile`` of ``p`` over every response
   token of the batch on EVERY process (``gather``), floored at the smallest normal fp32 and capped at 1: a quantile
@@ -62,10 +63,24 @@ def lopti_on(on: bool, quantile: Optional[float]) -> bool:
 
 
 def lopti_settings(
-    on: bool, eta: Optional[float] = None, order: str = "low_first", quantile: Optional[float] = None
+    on: bool,
+    eta: Optional[float] = None,
+    order: str = "low_first",
+    quantile: Optional[float] = None,
+    keys: tuple = ("eta", "quantile"),
 ) -> Optional[LoptiSettings]:
     """:class:`LoptiSettings` when :func:`lopti_on`, else None. ``eta`` None or 0 ("unset", as a front end's off
-    value) means the paper's 0.5; with a quantile it is only the threshold of a round without response tokens."""
+    value) means the paper's 0.5; with a quantile it is only the threshold of a round without response tokens.
+
+    Raises:
+        ValueError: ``eta`` and ``quantile`` both given (one line naming ``keys``, the front end's names of the
+            two), or a value outside its range.
+    """
+    if eta and quantile is not None:  # eta None / 0 is "not given"
+        raise ValueError(
+            f"{keys[0]}={eta} and {keys[1]}={quantile} are two Lopti thresholds: give one "
+            f"({keys[1]} alone turns Lopti on)"
+        )
     if not lopti_on(on, quantile):
         return None
     return LoptiSettings(eta=eta or 0.5, order=order, quantile=quantile)
@@ -160,9 +175,11 @@ def plan_round(
         response = response_mask.bool()
     old = old_log_probs.detach()
     probs = old.to(torch.promote_types(old.dtype, torch.float32)).exp()
+    # Every sum selects the response tokens (``&``, ``where``), never multiplies by the mask: a masked position may
+    # hold anything (NaN or inf padding), and NaN * 0 is NaN.
     sums = {"tokens": float(response.sum()), "nan_tokens": float((torch.isnan(probs) & response).sum())}
     if ar_alpha > 0:
-        sums["ar_weight"] = float((ar_weight(old, ar_alpha) * response).sum())
+        sums["ar_weight"] = float(torch.where(response, ar_weight(old, ar_alpha), 0.0).sum())
     threshold, low = None, None
     if lopti is not None:
         threshold = round_threshold(probs[response & ~torch.isnan(probs)], lopti, gather)

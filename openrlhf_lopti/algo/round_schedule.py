@@ -4,7 +4,8 @@ round's first phase had, and the LR schedule moves once per round (as a single p
 A front end only applies it to its scheduler: :meth:`RoundSchedule.start_round` before the round's first phase,
 :meth:`RoundSchedule.start_phase` before every later one. The first phase moves the schedule as a plain pass would;
 each later phase starts again from the round's starting point, so it replays the same rates and leaves the schedule
-where the first phase left it. Works with any scheduler that has ``state_dict`` / ``load_state_dict`` (torch's,
+where the first phase left it. :meth:`RoundSchedule.state_dict` / :meth:`RoundSchedule.load_state_dict` carry the
+round's starting point through a checkpoint saved between two phases of a round. Works with any scheduler that has ``state_dict`` / ``load_state_dict`` (torch's,
 DeepSpeed's, transformers') and the optimizer whose ``param_groups`` it sets.
 """
 
@@ -38,3 +39,12 @@ class RoundSchedule:
         if self.optimizer is not None:
             for group, lr in zip(self.optimizer.param_groups, self._lrs):
                 group["lr"] = lr
+
+    def state_dict(self) -> dict:
+        """Where the running round started (None before the first round): for a checkpoint saved mid-round."""
+        return {"start": copy.deepcopy(self._start), "lrs": list(self._lrs)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take a round's starting point from :meth:`state_dict`: the next :meth:`start_phase` puts it back."""
+        self._start = copy.deepcopy(state["start"])
+        self._lrs = list(state["lrs"])

@@ -129,7 +129,7 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
         model_path = run_cfg.model
         defaults.update(
             prompts=run_cfg.prompts_per_step, n_samples=run_cfg.n_samples, temperature=run_cfg.temperature,
-            people=run_cfg.people, eta=run_cfg.eta, max_new_tokens=run_cfg.max_new_tokens,
+            people=run_cfg.people, eta=run_cfg.eta or DEFAULTS["eta"], max_new_tokens=run_cfg.max_new_tokens,
             lr=run_cfg.lr,
         )  # fmt: skip
         style = style if args.prompt_style != "auto" or run_cfg.prompt_style == "auto" else run_cfg.prompt_style

@@ -30,6 +30,7 @@ import sys
 from types import CodeType, SimpleNamespace
 from typing import Callable, Optional
 
+from openrlhf_lopti.install import pip_install
 from openrlhf_lopti.openrlhf.flags import add_lopti_flags, check_config
 
 UPSTREAM_MODULE = "openrlhf.cli.train_ppo_ray"
@@ -71,7 +72,7 @@ def upstream_main_block() -> tuple[CodeType, CodeType, dict]:
     except ModuleNotFoundError:
         spec = None
     if spec is None or not spec.origin:
-        raise ImportError(f'{PROG} needs {UPSTREAM_MODULE} of openrlhf==0.11.2: pip install "openrlhf-lopti[openrlhf]"')
+        raise ImportError(f"{PROG} needs {UPSTREAM_MODULE} of openrlhf==0.11.2: {pip_install('openrlhf')}")
     with open(spec.origin, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=spec.origin)
 

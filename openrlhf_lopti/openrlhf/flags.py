@@ -26,6 +26,7 @@ from openrlhf_lopti.algo import LOPTI_ORDERS, LoptiSettings, check_alpha, check_
 
 FUSED_LOSS_CHOICES = ("auto", "triton", "cpp", "torch", "off")
 LOPTI_DENOMINATORS = ("all", "phase")
+LOPTI_KEYS = ("--algo.lopti.eta", "--algo.lopti.quantile")  # the two thresholds, for algo.lopti_settings' refusal
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class LoptiConfig:
     @property
     def lopti(self) -> Optional[LoptiSettings]:
         """The round's settings (``algo.lopti_settings``: eta > 0, or a quantile alone, turns Lopti on), or None."""
-        return lopti_settings(self.lopti_eta > 0, self.lopti_eta, self.lopti_order, self.lopti_quantile)
+        return lopti_settings(self.lopti_eta > 0, self.lopti_eta, self.lopti_order, self.lopti_quantile, keys=LOPTI_KEYS)
 
 
 def _arg(args: Any, dotted: str, default: Any = None) -> Any:
@@ -207,6 +208,7 @@ def check_config(args: Any) -> None:
         raise ValueError(f"--algo.lopti.eta must be 0 (off) or in (0, 1], got {cfg.lopti_eta}")
     if cfg.lopti_eta > 0 or cfg.lopti_quantile is not None:  # with a quantile and no eta, the quantile alone sets it
         check_lopti_args(cfg.lopti_eta or 1.0, cfg.lopti_order, cfg.lopti_quantile)
+    cfg.lopti  # noqa: B018 - raises on algo's rule: the two thresholds together are refused
     if cfg.lopti_denominator not in LOPTI_DENOMINATORS:
         raise ValueError(f"--algo.lopti.denominator must be one of {LOPTI_DENOMINATORS}, got {cfg.lopti_denominator!r}")
     if cfg.fused_loss not in FUSED_LOSS_CHOICES:

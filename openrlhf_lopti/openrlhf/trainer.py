@@ -25,7 +25,6 @@ What each flag changes, and where (the math itself is ``openrlhf_lopti.algo`` / 
   round's experience after the update, logged as ``direction/*`` (``openrlhf_lopti.algo.direction``).
 """
 
-import copy
 import inspect
 import time
 from contextlib import contextmanager, nullcontext
@@ -42,6 +41,7 @@ from openrlhf.utils.loss_utils import get_loss_batch_info
 from openrlhf.utils.utils import zero_pad_sequences
 from openrlhf_lopti.algo import (
     PolicyLossOutput,
+    RoundSchedule,
     direction_metrics,
     plan_round,
     reweight_advantages,
@@ -138,7 +138,8 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         self._explicit_boundaries = False  # set by _passes_end_on_optimizer_steps, read by training_step
         self.lopti_phase: Optional[str] = None  # the Lopti phase running now: set by ppo_train, read by training_step
         self.lopti_threshold: float = self.lopti.lopti_eta  # this round's probability threshold (eta or quantile)
-        self._low_tokens: Dict[int, torch.Tensor] = {}  # replay item id -> bool mask of its low tokens, this round
+        # replay item id -> phase name -> bool mask of the item's tokens in that phase, as this round decided them
+        self._phase_tokens: Dict[int, Dict[str, torch.Tensor]] = {}
         self.rl_step = 0  # RL steps trained (ppo_train calls); LoptiPolicyModelActor sets it on resume
         self._micro_batch = ""  # where training_step is, for error messages
 
@@ -168,7 +169,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         response = torch.cat([torch.zeros(0, dtype=torch.bool)] + [i.action_mask.flatten().cpu().bool() for i in items])
         lopti_round = plan_round(
             old_log_probs, response, self.lopti.lopti, self.lopti.ar_alpha,
-            gather=self._gather_over_dp, all_reduce=lambda sums: self.strategy.all_reduce(sums, op="sum"),
+            gather=self._gather_over_dp, all_reduce=self._sum_metrics_over_dp,
         )  # fmt: skip
         metrics = dict(lopti_round.metrics)
         if not self.lopti.lopti_enabled or sum(phase.tokens for phase in lopti_round.phases) == 0:
@@ -177,13 +178,16 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
 
         self.lopti_threshold = lopti_round.threshold
         sizes = [item.action_log_probs.numel() for item in items]
-        self._low_tokens = {
-            id(item): part.reshape(item.action_log_probs.shape) for item, part in zip(items, lopti_round.low.split(sizes))
+        per_phase = {phase.name: phase.mask.split(sizes) for phase in lopti_round.phases}
+        self._phase_tokens = {
+            id(item): {name: parts[i].reshape(item.action_log_probs.shape) for name, parts in per_phase.items()}
+            for i, item in enumerate(items)
         }
         tokens = sum(phase.tokens for phase in lopti_round.phases)
         share = {phase.name: phase.tokens / tokens for phase in lopti_round.phases}
         statuses = {}
-        schedule = self._lr_schedule_state()
+        schedule = RoundSchedule(self.actor_scheduler)
+        schedule.start_round()
         for phase in lopti_round.phases:
             name = phase.name
             if phase.tokens == 0:  # same decision on every rank: the counts are global
@@ -191,7 +195,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
                 continue
             self.strategy.print(f"[openrlhf-lopti] Lopti phase '{name}': {share[name]:.1%} of the tokens")
             if statuses:  # a later phase: upstream's single pass would not have moved the schedule yet
-                self._restore_lr_schedule(schedule)
+                schedule.start_phase()
             self.lopti_phase = name
             started = time.perf_counter()
             try:
@@ -204,6 +208,25 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             metrics[f"lopti/{name}/train_s"] = time.perf_counter() - started  # wall seconds of the phase's pass
         merged = merge_phase_status(statuses, share, self.lopti.lopti_denominator, self.args.algo.kl.use_loss)
         return {**merged, **metrics}
+
+    def _sum_over_dp(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (any shape) summed over the data-parallel ranks, a float64 copy.
+
+        The ranks of one ring-attention or tensor-parallel group hold the same experience, so a sum over every rank
+        (``strategy.all_reduce``) would count it once per rank of the group. float64: token counts stay exact past
+        2^24."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return values.to(torch.float64, copy=True)
+        # on the device the backend reduces on, as upstream's strategy.all_reduce does (utils/deepspeed/deepspeed.py)
+        total = values.to(device=torch.cuda.current_device(), dtype=torch.float64, copy=True)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.strategy.ds_device_mesh["dp"].get_group())
+        return total
+
+    def _sum_metrics_over_dp(self, sums: Dict[str, float]) -> Dict[str, float]:
+        """The round's metric sums (``plan_round``'s ``all_reduce``), each summed over the data-parallel ranks."""
+        keys = list(sums)
+        total = self._sum_over_dp(torch.tensor([float(sums[key]) for key in keys], dtype=torch.float64))
+        return dict(zip(keys, total.tolist()))
 
     def _gather_over_dp(self, values: torch.Tensor) -> torch.Tensor:
         """``[n]`` CPU tensor -> every data-parallel rank's, concatenated (the quantile's scope)."""
@@ -237,7 +260,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         finally:
             self.actor.train()
         counts = sum_direction_counts(batches, device=device)
-        return direction_metrics(self.strategy.all_reduce(counts, op="sum"))
+        return direction_metrics(self._sum_over_dp(counts))
 
     @contextmanager
     def _aux_loss_scaled(self, share: float) -> Iterator[None]:
@@ -254,18 +277,6 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             yield
         finally:
             actor_args.aux_loss_coef = coef
-
-    def _lr_schedule_state(self) -> dict:
-        """The LR scheduler's state and the optimizer's current learning rates (what the next step uses)."""
-        return {
-            "scheduler": copy.deepcopy(self.actor_scheduler.state_dict()),
-            "lrs": [group["lr"] for group in self.actor_scheduler.optimizer.param_groups],
-        }
-
-    def _restore_lr_schedule(self, state: dict) -> None:
-        self.actor_scheduler.load_state_dict(state["scheduler"])
-        for group, lr in zip(self.actor_scheduler.optimizer.param_groups, state["lrs"]):
-            group["lr"] = lr
 
     @contextmanager
     def _passes_end_on_optimizer_steps(self) -> Iterator[None]:
@@ -301,24 +312,24 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         if self.ema_model is not None:
             self.strategy.time_steps["ema"] = gas - 1 if boundary else 0  # gas > 1 here whenever boundary is False
 
-    def _phase_mask(self, action_mask: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-        """Bool mask (shape of ``action_mask``) of the running phase's tokens, from ``low``: the round's decision of
-        which tokens are low (same shape, made in ``_ppo_train``)."""
-        low = low.to(action_mask.device)
-        return action_mask.bool() & (low if self.lopti_phase == "low" else ~low)
+    def _phase_mask(self, action_mask: torch.Tensor, phase_tokens: torch.Tensor) -> torch.Tensor:
+        """Bool mask (shape of ``action_mask``) of the running phase's tokens: ``phase_tokens``, the round's mask of
+        that phase (same shape, from ``plan_round`` in ``_ppo_train``), read as it is, never re-derived."""
+        return action_mask.bool() & phase_tokens.to(action_mask.device).bool()
 
     @contextmanager
     def _batches_carry_phases(self) -> Iterator[None]:
-        """Each micro-batch upstream's ``ppo_train`` collates carries the round's decision for its tokens as
-        ``experience.lopti_low`` (padded like ``action_mask``; ``Experience.to_device`` moves it with the rest)."""
+        """Each micro-batch upstream's ``ppo_train`` collates carries the running phase's tokens, as the round decided
+        them, as ``experience.lopti_phase_tokens`` (padded like ``action_mask``; ``Experience.to_device`` moves it
+        with the rest)."""
         buffer = self.replay_buffer
         collate = buffer.collate_fn
 
         def collate_with_phases(batch):
             experience = collate(batch)
             items = batch[0] if buffer.dynamic_batch else batch  # dynamic batching hands one list of items
-            low = [self._low_tokens[id(item)] for item in items]
-            experience.lopti_low = zero_pad_sequences(low, "right", stack=True)
+            tokens = [self._phase_tokens[id(item)][self.lopti_phase] for item in items]
+            experience.lopti_phase_tokens = zero_pad_sequences(tokens, "right", stack=True)
             return experience
 
         buffer.collate_fn = collate_with_phases  # upstream's DataLoader takes it when ppo_train builds one
@@ -335,7 +346,8 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         saved = [item.action_mask for item in items]
         try:
             for item in items:
-                item.action_mask = self._phase_mask(item.action_mask, self._low_tokens[id(item)]).to(item.action_mask.dtype)
+                phase_tokens = self._phase_tokens[id(item)][self.lopti_phase]
+                item.action_mask = self._phase_mask(item.action_mask, phase_tokens).to(item.action_mask.dtype)
             yield
         finally:
             for item, mask in zip(items, saved):
@@ -363,7 +375,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         response_mask, advantages = experience.action_mask, experience.advantages
         try:
             if self.lopti_phase is not None:
-                phase = self._phase_mask(response_mask, experience.lopti_low)
+                phase = self._phase_mask(response_mask, experience.lopti_phase_tokens)
                 experience.action_mask = phase.to(response_mask.dtype)
                 experience.advantages = advantages * phase  # the other phase's tokens get no policy gradient
                 loss_batch_info = _nonzero_denominators(loss_batch_info)

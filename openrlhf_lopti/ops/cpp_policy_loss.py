@@ -1,10 +1,13 @@
 """C++ CPU backend of ``fused_policy_loss``: the ``torch.ops.openrlhf_lopti.policy_loss_fwd`` / ``_bwd`` ops
 from ``csrc/``, wrapped in an autograd function.
 
-The kernel is found, on first use, in this order: the extension ``setup.py`` built in place
-(``openrlhf_lopti._C``); else a JIT build of ``csrc/*.cpp`` with ``torch.utils.cpp_extension`` (cached in
-``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/openrlhf_lopti``; set ``OPENRLHF_LOPTI_NO_JIT=1`` to skip it);
-else :func:`cpp_available` is False, one warning says so, and ``backend="auto"`` uses the torch backend.
+The kernel is found, on first use, in this order: the extension ``setup.py`` built (``openrlhf_lopti._C``),
+unless it was built for another torch than the one running (``setup.py`` writes that version beside it); else
+a JIT build of the C++ sources with ``torch.utils.cpp_extension`` against the running torch: the sources an
+installed package carries (``openrlhf_lopti/csrc/``, copied there by every wheel build) or a checkout's
+``csrc/``; cached in ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/openrlhf_lopti``; ``OPENRLHF_LOPTI_NO_JIT=1`` skips
+it. Else :func:`cpp_available` is False and one warning says why, with the command that fixes it, and
+``backend="auto"`` uses the torch backend.
 """
 
 import importlib
@@ -21,6 +24,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..algo import PolicyLossOutput
+from ..install import pip_install
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +33,9 @@ logger = logging.getLogger(__name__)
 _CFLAGS = ["-O3", "-Wno-psabi"] + ([] if sys.platform == "darwin" else ["-fopenmp"])
 _LDFLAGS = [] if sys.platform == "darwin" else ["-fopenmp"]
 _JIT_NAME = "openrlhf_lopti_cpu_kernels"
+_PACKAGE = Path(__file__).resolve().parents[1]
+# Written by setup.py beside the extension it builds: the torch version it was compiled against.
+_TORCH_STAMP = _PACKAGE / "_C.torch_version"
 
 _lock = threading.Lock()
 _error: Optional[str] = None  # why the kernel is unavailable; None while untried or once loaded
@@ -36,20 +43,59 @@ _loaded = False
 _tried = False
 
 
-def _jit_build() -> None:
-    from torch.utils import cpp_extension
+class _CannotBuild(RuntimeError):
+    """A JIT build that cannot start here; the message says what is missing and the command that fixes it."""
 
-    csrc = Path(__file__).resolve().parents[2] / "csrc"
+
+def _csrc() -> Path:
+    """The kernel's C++ sources: inside the installed package (a wheel carries them), else the checkout's csrc/."""
+    inside = _PACKAGE / "csrc"
+    return inside if any(inside.glob("*.cpp")) else _PACKAGE.parent / "csrc"
+
+
+def _stale_extension_reason() -> Optional[str]:
+    """Why the built ``_C`` must not be loaded (it was built for another torch), or None."""
+    try:
+        built_for = _TORCH_STAMP.read_text(encoding="utf-8").strip()
+    except OSError:  # no stamp (an older build): try it; a mismatch then shows as an ImportError
+        return None
+    if built_for and built_for != torch.__version__:
+        return f"openrlhf_lopti._C was built for torch {built_for}, this is torch {torch.__version__}"
+    return None
+
+
+def _quiet_import_of_the_builder():
+    """``torch.utils.cpp_extension``, imported without the "No CUDA runtime is found" line it logs on a machine
+    without a GPU when torch is a CUDA build: nothing for a user of the CPU kernel to act on."""
+    builder_log = logging.getLogger("torch.utils.cpp_extension")
+    level = builder_log.level
+    builder_log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        builder_log.setLevel(level)
+    return cpp_extension
+
+
+def _jit_build() -> None:
+    csrc = _csrc()
     sources = sorted(str(p) for p in csrc.glob("*.cpp"))
     if not sources:
-        raise RuntimeError(f"no C++ sources in {csrc} (an install without csrc/)")
+        where = f"{_PACKAGE / 'csrc'} or {csrc}" if csrc != _PACKAGE / "csrc" else str(csrc)
+        raise _CannotBuild(f"no C++ sources in {where} (a wheel built without them): reinstall, "
+                           f"{pip_install()} --force-reinstall --no-deps")  # fmt: skip
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise _CannotBuild(f"no C++ compiler ({compiler!r} is not on PATH): install one (Debian/Ubuntu: apt-get "
+                           "install g++; conda: conda install gxx) or set CXX")  # fmt: skip
     if shutil.which("ninja") is None:
         try:  # the pip `ninja` package, when the venv's bin/ is not on PATH
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
-            pass
+            raise _CannotBuild("torch builds C++ extensions with ninja, not installed: pip install ninja") from None
+    cpp_extension = _quiet_import_of_the_builder()
     build_dir = None  # torch's default honours $TORCH_EXTENSIONS_DIR
     if not os.environ.get("TORCH_EXTENSIONS_DIR"):
         tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.split('+')[0]}"
@@ -63,7 +109,7 @@ def _jit_build() -> None:
         extra_ldflags=_LDFLAGS,
         build_directory=build_dir,
         is_python_module=False,  # loads the library: its TORCH_LIBRARY blocks register the ops
-        verbose=False,
+        verbose=os.environ.get("OPENRLHF_LOPTI_JIT_VERBOSE") == "1",
     )
 
 
@@ -90,20 +136,27 @@ def _load() -> bool:
             return _loaded
         _tried = True
         reasons = []
-        try:
-            importlib.import_module("openrlhf_lopti._C")
-            _loaded = True
-        except ImportError as exc:
-            reasons.append(f"openrlhf_lopti._C: {exc}")
+        stale = _stale_extension_reason()
+        if stale:
+            reasons.append(stale)
+        else:
+            try:
+                importlib.import_module("openrlhf_lopti._C")
+                _loaded = True
+            except ImportError as exc:
+                reasons.append(f"openrlhf_lopti._C: {exc}")
         if not _loaded and os.environ.get("OPENRLHF_LOPTI_NO_JIT") == "1":
-            reasons.append("JIT build skipped (OPENRLHF_LOPTI_NO_JIT=1)")
+            reasons.append("JIT build skipped (OPENRLHF_LOPTI_NO_JIT=1; unset it to build the kernel at first use)")
         elif not _loaded:
             try:
                 _jit_build()
                 _loaded = True
-            except Exception as exc:  # noqa: BLE001  (no compiler, no csrc/, build error: all mean "fall back")
+            except _CannotBuild as exc:
+                reasons.append(f"JIT build impossible: {exc}")
+            except Exception as exc:  # noqa: BLE001  (a compile error: the torch backend still runs)
                 lines = str(exc).strip().splitlines()
-                reasons.append(f"JIT build failed: {lines[-1] if lines else repr(exc)}")
+                reasons.append(f"JIT build failed: {lines[-1] if lines else repr(exc)} (OPENRLHF_LOPTI_JIT_VERBOSE=1 "
+                               "prints the compiler's log)")  # fmt: skip
         if _loaded and not hasattr(torch.ops.openrlhf_lopti, "policy_loss_fwd"):
             _loaded = False
             reasons.append("the library loaded but registered no openrlhf_lopti::policy_loss_fwd op")

@@ -1,4 +1,4 @@
-"""Glue to TRL 1.16's ``GRPOTrainer``: AR, Lopti and the fused loss kernels (``pip install "openrlhf-lopti[trl]"``).
+"""Glue to TRL 1.16's ``GRPOTrainer``: AR, Lopti and the fused loss kernels (the ``[trl]`` extra).
 
 Imports ``trl`` (and so transformers / accelerate); nothing of OpenRLHF, Ray, DeepSpeed or vLLM (TRL itself
 imports vLLM when it is installed). Without TRL, importing this package fails with one line naming the extra.
@@ -15,7 +15,9 @@ import contextlib
 import logging
 import warnings
 
-MISSING_TRL = 'openrlhf_lopti.trl needs TRL: pip install "openrlhf-lopti[trl]"'
+from openrlhf_lopti.install import pip_install
+
+MISSING_TRL = f"openrlhf_lopti.trl needs TRL: {pip_install('trl')}"
 
 # (logger name, start of the message) of the upstream log lines dropped during our import
 QUIET_LOG_LINES = (

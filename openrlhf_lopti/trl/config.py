@@ -1,4 +1,4 @@
-"""``LoptiGRPOConfig``: TRL's ``GRPOConfig`` plus the options of AR, Lopti and our fused loss kernels.
+"""``LoptiGRPOConfig``: TRL's ``GRPOConfig`` plus the options of AR, Lopti, our fused loss kernels and the vLLM engine.
 
 Every check is here, so a bad configuration fails when the config is built, with one line naming the option.
 :func:`refusals` lists what TRL supports that ``LoptiGRPOTrainer`` cannot honour; the trainer runs it again
@@ -13,21 +13,24 @@ from trl import GRPOConfig
 from openrlhf_lopti.algo import LoptiSettings, check_alpha, check_lopti_args, lopti_on, lopti_settings
 from openrlhf_lopti.ops import BACKENDS
 
+from . import cpu_colocate
+
 # TRL loss types whose per-token term is the PPO clipped surrogate ``fused_policy_loss`` computes; they differ
 # only in how the per-token losses are normalised, and those normalisations are kept.
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+LOPTI_KEYS = ("lopti_eta", "lopti_quantile")  # the two thresholds' names, for algo.lopti_settings' refusal
 
 
 @dataclass
 class LoptiGRPOConfig(GRPOConfig):
-    """TRL's ``GRPOConfig`` with eight more fields (see ``openrlhf_lopti.trl.trainer`` for what each changes).
+    """TRL's ``GRPOConfig`` with nine more fields (see ``openrlhf_lopti.trl.trainer`` for what each changes).
 
     Args:
         ar_alpha: Advantage Reweighting strength in [0, 1] (paper Eq. 4; 0 = off, the paper's K&K value 0.3).
         lopti_eta: Lopti's probability threshold in (0, 1] (paper: 0.5), or None for no Lopti.
         lopti_order: ``"low_first"`` (Lopti) or ``"high_first"`` (the paper's ablation, which collapses).
         lopti_quantile: if set, in (0, 1): the threshold is this quantile of the generation batch's token
-            probabilities over every process, instead of ``lopti_eta``; it turns Lopti on by itself.
+            probabilities over every process; it turns Lopti on by itself. Not with ``lopti_eta`` (refused).
         fused_loss: compute the per-token loss with ``openrlhf_lopti.ops.fused_policy_loss`` (needed by AR and
             Lopti). False with AR and Lopti off runs TRL's own loss, untouched.
         fused_lm_head: with ``fused_loss``: ``fused_linear_policy_loss`` on the last hidden states and the
@@ -35,6 +38,8 @@ class LoptiGRPOConfig(GRPOConfig):
         loss_backend: the kernels' backend, one of ``openrlhf_lopti.ops.BACKENDS`` (``"auto"``: triton on CUDA,
             the C++ kernel on CPU when built, else torch).
         track_direction: log ``direction/*`` (paper Fig. 3) after each round (one forward-only pass over it).
+        vllm_dtype: dtype of the colocated vLLM engine (``"auto"``: vLLM's choice, which makes an fp32 checkpoint
+            a bf16 engine; ``"float32"``: sampled log-probs equal to an fp32 training model's). See ``cpu_colocate``.
     """
 
     ar_alpha: float = field(default=0.0, metadata={"help": "Advantage Reweighting alpha in [0, 1]; 0 is off."})
@@ -51,6 +56,9 @@ class LoptiGRPOConfig(GRPOConfig):
     track_direction: bool = field(
         default=False, metadata={"help": "Log direction/* (paper Fig. 3) after each round: one forward pass."}
     )
+    vllm_dtype: str = field(
+        default="auto", metadata={"help": "dtype of the colocated vLLM engine: auto (vLLM's), float32, bfloat16."}
+    )
 
     @property
     def lopti(self) -> bool:
@@ -60,7 +68,7 @@ class LoptiGRPOConfig(GRPOConfig):
     @property
     def lopti_settings(self) -> Optional[LoptiSettings]:
         """The round's settings (``algo.lopti_settings``), or None without Lopti."""
-        return lopti_settings(self.lopti, self.lopti_eta, self.lopti_order, self.lopti_quantile)
+        return lopti_settings(self.lopti, self.lopti_eta, self.lopti_order, self.lopti_quantile, keys=LOPTI_KEYS)
 
     def __post_init__(self):
         super().__post_init__()
@@ -76,9 +84,10 @@ class LoptiGRPOConfig(GRPOConfig):
                 raise ValueError(f"lopti_{str(error).split()[0]}: {error}") from None
         elif self.lopti_order not in ("low_first", "high_first"):
             raise ValueError(f"lopti_order must be 'low_first' or 'high_first', got {self.lopti_order!r}")
+        self.lopti_settings  # noqa: B018 - raises on algo's rule: the two thresholds together are refused
         if self.loss_backend not in BACKENDS:
             raise ValueError(f"loss_backend must be one of {BACKENDS}, got {self.loss_backend!r}")
-        problems = refusals(self, num_processes=self.world_size)
+        problems = refusals(self, num_processes=self.world_size) + cpu_colocate.refusals(self)
         if problems:
             raise ValueError(problems[0])
 
@@ -134,7 +143,7 @@ def refusals(args: LoptiGRPOConfig, num_processes: int = 1, peft: bool = False, 
             "phase ends on an optimizer step"
         )
     elif args.lopti and args.max_steps > 0:
-        per_round = 2 * args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
+        per_round = optimizer_steps_per_round(args)
         if args.max_steps % per_round:
             out.append(
                 f"max_steps={args.max_steps} would stop between the two Lopti phases of a round: a round is {per_round} "
@@ -142,3 +151,9 @@ def refusals(args: LoptiGRPOConfig, num_processes: int = 1, peft: bool = False, 
                 f"use a multiple of {per_round}"
             )
     return out
+
+
+def optimizer_steps_per_round(args: LoptiGRPOConfig) -> int:
+    """Optimizer steps of one Lopti round: 2 phases x ``steps_per_generation x num_iterations`` micro-steps /
+    ``gradient_accumulation_steps`` (a whole number: :func:`refusals` refuses the rest)."""
+    return 2 * args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps

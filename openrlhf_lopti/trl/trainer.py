@@ -27,12 +27,17 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   ``mask.sum()`` for bnpo, ``num_items_in_batch`` for dapo, the constant of dr_grpo), as our other trainers
   do: the two phases together weigh each token as one plain pass does. Per phase:
   ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``.
-- Steps. The LR schedule moves once per round, as OpenRLHF's does: phase 2 restores the schedule phase 1 started
-  from (``_prepare_inputs``), so both phases train at the same learning rates, and ``create_scheduler`` spans half
-  the optimizer steps. TRL's own step counters (``max_steps``, ``save_steps``, ``eval_steps``, ``logging_steps``,
-  ``ref_model_sync_steps``) count optimizer steps, two phases' worth per round; ``max_steps`` must be a whole
-  number of rounds (refused otherwise), so no round is cut between its phases. Resuming from a checkpoint
-  generates a new batch, as TRL does (its buffered batch is not saved), and starts with its low phase.
+- Steps. The LR schedule moves once per round, as OpenRLHF's does: ``algo.RoundSchedule`` puts phase 2 back on
+  the schedule phase 1 started from (``_prepare_inputs``), so both phases train at the same learning rates, and
+  ``create_scheduler`` spans half the optimizer steps. TRL's own step counters (``max_steps``, ``save_steps``,
+  ``eval_steps``, ``logging_steps``, ``ref_model_sync_steps``) count optimizer steps, two phases' worth per
+  round; ``max_steps`` must be a whole number of rounds (refused otherwise), and one derived from
+  ``num_train_epochs`` is rounded up to whole rounds, so no round is cut between its phases. A micro-step's place
+  in its round comes from TRL's global optimizer step (``_round_position``), not from a counter that restarts
+  on resume; a checkpoint saved mid-round also holds each process's round (``lopti_round-<process>.pt``: the
+  generation batch with its phase masks, the round's LR start), so a resumed run trains the rest of that round
+  on the same batch, phases and learning rates as the uninterrupted run. A checkpoint at a round's end holds
+  none: the resumed run generates a new batch, as TRL does.
 - ``track_direction``: after each round's last optimizer step, ``direction/*`` (paper Fig. 3, ``algo.direction``)
   from one forward-only pass over the round's generation batch, summed over processes.
 - ``fused_loss`` (default True): ``_compute_loss`` takes the model's logits of the completion (in the model's
@@ -46,16 +51,19 @@ TRL's loss.
 
 Refused at construction with one line (``config.refusals``): loss types that are not the clipped surrogate
 (cispo, sapo, vespo), sequence-level importance sampling, ``delta``, ``off_policy_mask_threshold``,
-``use_adaptive_entropy``, an entropy mask together with Lopti, a ``max_steps`` that cuts a round, multimodal models, and ``fused_lm_head`` on
-more than one process / with PEFT / with ``cast_lm_head_to_fp32``. With ``fused_loss=False`` and AR and Lopti
-off, this is TRL's trainer unchanged.
+``use_adaptive_entropy``, an entropy mask together with Lopti, a ``max_steps`` that cuts a round, multimodal
+models, and ``fused_lm_head`` on more than one process / with PEFT / with ``cast_lm_head_to_fp32``; ``lopti_eta``
+with ``lopti_quantile`` (``algo.lopti_settings``). A reward function that returns NaN or inf fails the generation
+in one line naming it (``reward_check``). With ``fused_loss=False`` and AR and Lopti off, this is TRL's trainer
+unchanged but for that check.
 """
 
-import copy
+import os
 from typing import Any, Optional
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import (
@@ -65,13 +73,24 @@ from trl.trainer.utils import (
     unsplit_pixel_values_by_grid,
 )
 
-from openrlhf_lopti.algo import PHASE_NAMES, approx_kl, direction_metrics, plan_round, sum_direction_counts
+from openrlhf_lopti.algo import (
+    PHASE_NAMES,
+    RoundSchedule,
+    approx_kl,
+    direction_metrics,
+    plan_round,
+    sum_direction_counts,
+)
 from openrlhf_lopti.models import lm_head_parts
 from openrlhf_lopti.ops import LossOptions, fused_linear_policy_loss, fused_policy_loss
 
-from .config import LoptiGRPOConfig, refusals
+from .config import LoptiGRPOConfig, optimizer_steps_per_round, refusals
+from .cpu_colocate import colocated_engine, repack_after_every_sync, vllm_on_cpu
+from .reward_check import RewardCheck
 
 PHASE_KEYS = ("lopti_phase_1", "lopti_phase_2")  # [B, T] bool masks in update order, in the generation batch
+# in a checkpoint saved between two phases of a round, per process: the round's generation batch and LR start
+ROUND_FILE = "lopti_round-{}.pt"
 
 
 class LoptiGRPOTrainer(GRPOTrainer):
@@ -87,7 +106,10 @@ class LoptiGRPOTrainer(GRPOTrainer):
     def __init__(self, *args_, args: Optional[LoptiGRPOConfig] = None, **kwargs):
         if not isinstance(args, LoptiGRPOConfig):
             raise ValueError(f"args must be a LoptiGRPOConfig, got {type(args).__name__}")
-        super().__init__(*args_, args=args, **kwargs)
+        with colocated_engine(args):  # vLLM colocated on CPU: environment, dtype, weights that survive packing
+            super().__init__(*args_, args=args, **kwargs)
+        if vllm_on_cpu(args) and args.vllm_mode == "colocate":
+            repack_after_every_sync(self.vllm_generation)
         from accelerate.utils import is_peft_model
         from transformers import ProcessorMixin
 
@@ -103,9 +125,18 @@ class LoptiGRPOTrainer(GRPOTrainer):
             raise ValueError(problems[0])
         if args.fused_loss and args.fused_lm_head:
             lm_head_parts(self.accelerator.unwrap_model(self.model), flag="fused_lm_head=True")  # raises now for a head it cannot fuse
-        self._round_schedule: Optional[dict] = None  # the LR schedule as the running round's phase 1 found it
+        self._round_schedule: Optional[RoundSchedule] = None  # the running round's LR-hold (algo.RoundSchedule)
+        self._reward_check = RewardCheck(self.reward_funcs)  # a NaN / inf reward: one line naming its function
+        self.reward_funcs = self._reward_check.funcs
         if args.track_direction:
             self.add_callback(_DirectionAtRoundEnd(self))
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards (``[N_all, F]``, every process's); a NaN or inf one that no ``None`` stands for is refused
+        on every process, naming its reward function (``reward_check``)."""
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._reward_check.check(rewards, len(prompts), self.reward_func_names, self.accelerator.gather)
+        return rewards
 
     # ---- Lopti: each generation batch trained twice, low tokens first ----
 
@@ -129,26 +160,72 @@ class LoptiGRPOTrainer(GRPOTrainer):
         """Micro-steps of one phase: TRL's ``steps_per_generation x num_iterations``."""
         return self.args.steps_per_generation * self.num_iterations
 
+    def _round_position(self) -> int:
+        """The running micro-step's place in its round (``0 .. 2 x _phase_cycle() - 1``), from TRL's global
+        optimizer step and the micro-step within its accumulation: a resumed run finds every micro-step where the
+        uninterrupted run had it (TRL's own ``_step`` restarts at 0 on resume)."""
+        ga = self.args.gradient_accumulation_steps
+        return (self.state.global_step * ga + self._step % ga) % (2 * self._phase_cycle())
+
     def _prepare_inputs(self, generation_batch: dict) -> dict:
         """TRL's ``_prepare_inputs``; with Lopti in training, the buffered batch serves two phases in a row and
         each micro-batch carries its phase's token mask as ``lopti_phase_mask`` (and its index as ``lopti_phase``)."""
         if not (self.args.lopti and self.model.training):
             return super()._prepare_inputs(generation_batch)
         cycle = self._phase_cycle()
-        spg = self.args.steps_per_generation
-        if self._step % (2 * cycle) == 0 or self._buffered_inputs is None:
+        position = self._round_position()
+        if position == 0 or self._buffered_inputs is None:  # None mid-round: refused at resume (_load_round)
             batch = self._generate_and_score_completions(generation_batch)
             batch = shuffle_sequence_dict(split_pixel_values_by_grid(batch))
+            spg = self.args.steps_per_generation
             self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in split_tensor_dict(batch, spg)]
-            self._round_schedule = self._lr_schedule_state()
-        elif self._step % (2 * cycle) == cycle and self._round_schedule is not None:
-            # phase 2 trains at the learning rates phase 1 had: the schedule moves once per round, as OpenRLHF's
-            self._restore_lr_schedule(self._round_schedule)
-        inputs = dict(self._buffered_inputs[self._step % spg])
-        phase = (self._step % (2 * cycle)) // cycle
+            self._round_schedule = RoundSchedule(getattr(self, "lr_scheduler", None), self.optimizer)
+            self._round_schedule.start_round()
+        elif position == cycle:
+            self._round_schedule.start_phase()  # algo's LR-hold: phase 2 at phase 1's learning rates
+        inputs = dict(self._buffered_inputs[position % self.args.steps_per_generation])
+        phase = position // cycle
         inputs["lopti_phase"] = phase
         inputs["lopti_phase_mask"] = inputs[PHASE_KEYS[phase]]
         return inputs
+
+    # ---- a checkpoint between two phases of a round carries the round ----
+
+    def _round_file(self, checkpoint: str) -> str:
+        return os.path.join(checkpoint, ROUND_FILE.format(self.accelerator.process_index))
+
+    def _save_checkpoint(self, model, trial):
+        """TRL's checkpoint; cut mid-round, also each process's round (its generation batch, phase masks and the
+        round's LR start), so that a resume trains the rest of the round as the uninterrupted run does."""
+        super()._save_checkpoint(model, trial)
+        if not self.args.lopti or self._round_position() == 0 or self._buffered_inputs is None:
+            return
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        round_state = {"buffered_inputs": self._buffered_inputs, "schedule": self._round_schedule.state_dict()}
+        torch.save(round_state, self._round_file(folder))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.args.lopti:
+            self._load_round(checkpoint)
+
+    def _load_round(self, checkpoint: str) -> None:
+        """After TRL loaded ``checkpoint``'s state: a checkpoint cut mid-round gives back the round it cut."""
+        self._buffered_inputs, self._round_schedule = None, None
+        position = self._round_position()
+        if position == 0:
+            return
+        path = self._round_file(checkpoint)
+        if not os.path.exists(path):
+            raise ValueError(
+                f"resume_from_checkpoint: {checkpoint} was saved at micro-step {position} of a Lopti round without "
+                f"its round ({os.path.basename(path)}); resume from a checkpoint at a whole number of rounds"
+            )
+        state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+        self._buffered_inputs = state["buffered_inputs"]
+        self._round_schedule = RoundSchedule(getattr(self, "lr_scheduler", None), self.optimizer)
+        self._round_schedule.load_state_dict(state["schedule"])
 
     def _generate_and_score_completions(self, inputs: list) -> dict:
         """TRL's generation and scoring, plus ``old_per_token_logps`` always (fused loss) and the Lopti phase masks.
@@ -198,19 +275,15 @@ class LoptiGRPOTrainer(GRPOTrainer):
         totals = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=self.accelerator.device)
         return dict(zip(keys, self.accelerator.reduce(totals, reduction="sum").tolist()))
 
-    def _lr_schedule_state(self) -> Optional[dict]:
-        """The LR scheduler's state and the optimizer's current learning rates (what the next step uses)."""
-        if getattr(self, "lr_scheduler", None) is None:
-            return None
-        return {
-            "scheduler": copy.deepcopy(self.lr_scheduler.state_dict()),
-            "lrs": [group["lr"] for group in self.optimizer.param_groups],
-        }
-
-    def _restore_lr_schedule(self, state: dict) -> None:
-        self.lr_scheduler.load_state_dict(state["scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, state["lrs"]):
-            group["lr"] = lr
+    def set_initial_training_values(self, args, dataloader):
+        """Transformers' run length; with Lopti, a ``max_steps`` it derives from ``num_train_epochs`` is rounded
+        up to whole rounds, so that the last round trains both phases (``num_train_epochs=0.6`` of an epoch of 5
+        rounds: 3 rounds, not 2.5). A ``max_steps`` given is whole rounds already (``config.refusals``)."""
+        values = super().set_initial_training_values(args, dataloader)
+        if not self.args.lopti or args.max_steps > 0:
+            return values
+        per_round = optimizer_steps_per_round(self.args)
+        return (*values[:-1], -(-values[-1] // per_round) * per_round)  # max_steps is the last value
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """TRL's scheduler; with Lopti over the run's rounds: it moves on phase 1's optimizer steps only (phase 2
@@ -375,8 +448,9 @@ class _DirectionAtRoundEnd(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self.trainer
-        per_round = trainer._phase_cycle() * (2 if trainer.args.lopti else 1)
-        if trainer._step % per_round == 0 and trainer._buffered_inputs is not None:
+        per_round = trainer._phase_cycle() * (2 if trainer.args.lopti else 1)  # micro-steps
+        at_round_end = (state.global_step * args.gradient_accumulation_steps) % per_round == 0
+        if at_round_end and trainer._buffered_inputs is not None:
             for key, value in trainer._direction_metrics().items():
                 trainer._metrics["train"][key].append(value)
 

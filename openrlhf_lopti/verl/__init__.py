@@ -12,7 +12,12 @@ The keys (``ar_alpha``, ``lopti_eta``, ``lopti_order``, ``lopti_quantile``) live
 ``actor_rollout_ref.actor.policy_loss`` with ``_target_=openrlhf_lopti.verl.LoptiPolicyLossConfig`` (:mod:`.config`).
 """
 
-MISSING_VERL = 'openrlhf_lopti.verl needs verl: pip install "openrlhf-lopti[verl]" (its own environment: see docs/VERL.md)'
+from openrlhf_lopti.install import checkout, pip_install
+
+# verl 0.9.1 needs transformers<5.11: its own environment (a checkout's Makefile makes it), not the main one
+MISSING_VERL = "openrlhf_lopti.verl needs verl 0.9.1, in its own environment (it needs transformers<5.11): " + (
+    f'make -C "{checkout()}" venv-verl, then use {checkout()}/.venv-verl/bin/python' if checkout()
+    else f"in a venv with torch, {pip_install('verl')}") + " (see docs/VERL.md)"
 
 try:
     import verl  # noqa: F401

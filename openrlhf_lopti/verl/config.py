@@ -11,7 +11,7 @@ key                     default    meaning
 ``lopti_eta``           null       Lopti's threshold in (0, 1]; null: Lopti off (unless ``lopti_quantile``)
 ``lopti_order``         low_first  ``low_first`` (the paper's) or ``high_first`` (the ablation that collapses)
 ``lopti_quantile``      null       in (0, 1): the threshold is this quantile of p over every data-parallel rank's
-                                   response tokens (turns Lopti on by itself, as in every front end)
+                                   response tokens (turns Lopti on by itself; not with ``lopti_eta``)
 ======================  =========  ================================================================================
 
 The rule of when Lopti runs and with which settings is ``openrlhf_lopti.algo.lopti_settings``, the same in every
@@ -69,6 +69,10 @@ class LoptiPolicyLossConfig(PolicyLossConfig):
                 check()
             except ValueError as exc:
                 raise ConfigError(f"{POLICY_LOSS_KEY}.{name}: {exc}") from None
+        try:  # algo's rule: the two thresholds together are refused
+            self.lopti  # noqa: B018
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.ar_alpha > 0 and self.loss_mode != "ar":
             raise ConfigError(
                 f"{POLICY_LOSS_KEY}.ar_alpha is {self.ar_alpha} but {POLICY_LOSS_KEY}.loss_mode is "
@@ -78,7 +82,8 @@ class LoptiPolicyLossConfig(PolicyLossConfig):
     @property
     def lopti(self) -> Optional[LoptiSettings]:
         """Lopti's settings (``algo.lopti_settings``), or None when Lopti is off."""
-        return lopti_settings(self.lopti_eta is not None, self.lopti_eta, self.lopti_order, self.lopti_quantile)
+        keys = (f"{POLICY_LOSS_KEY}.lopti_eta", f"{POLICY_LOSS_KEY}.lopti_quantile")
+        return lopti_settings(self.lopti_eta is not None, self.lopti_eta, self.lopti_order, self.lopti_quantile, keys)
 
 
 def ar_alpha_of(config) -> float:

@@ -44,6 +44,7 @@ def our_line(exc: BaseException) -> str:
         (dict(eta=0.0), "lopti_eta", "(0, 1], got 0.0"),
         (dict(eta=1.5), "lopti_eta", "(0, 1], got 1.5"),
         (dict(quantile=1.0), "lopti_quantile", "(0, 1) or None, got 1.0"),
+        (dict(eta=0.5, quantile=0.3), "lopti_eta", f"{KEY}.lopti_quantile=0.3 are two Lopti thresholds: give one"),
         (dict(alpha=0.3, loss_mode="vanilla"), "ar_alpha", "set loss_mode=ar"),
     ],
 )

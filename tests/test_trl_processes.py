@@ -1,0 +1,99 @@
+"""``LoptiGRPOTrainer`` on 2 processes, launched as TRL users launch it: ``torchrun --nproc_per_node 2`` on CPU (gloo).
+
+One launch (tests/trl_ranks.py) trains one Lopti round with a quantile threshold; then, in this process, the same
+global batch (both ranks' micro-batches, with their rollout log-probs and advantages) is trained by one process.
+- both ranks decide the same threshold, the quantile of the whole batch's token probabilities;
+- each rank's phase masks are its tokens below / at or above it, and the ranks' counts add up to the logged global
+  counts, which are the one process's;
+- the ranks' update (DDP's mean of their gradients) is the one process's update of the whole batch.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from openrlhf_lopti.algo.lopti import quantile_threshold  # noqa: E402
+
+from .ds_ranks import free_port  # noqa: E402
+from .test_trl_trainer import tok  # noqa: E402, F401 (a fixture)
+from .trl_ranks import QUANTILE, build  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = ("lopti_phase_1", "lopti_phase_2", "lopti_phase", "lopti_phase_mask")  # added by the trainer to TRL's batch
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trl_ranks")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), "tests/trl_ranks.py", str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def logged(run: dict, key: str) -> float:
+    return next(h[key] for h in run["logs"] if key in h)
+
+
+def whole_batch(ranks: list) -> dict:
+    """Both ranks' generation batches as one (their phase-1 micro-batch: the whole batch with spg=1), without the
+    trainer's own keys; completions right-padded to one length."""
+    parts = [{k: v for k, v in run["trained"][0].items() if k not in OURS} for run in ranks]
+    width = max(p["completion_ids"].size(1) for p in parts)
+    out = {}
+    for key, value in parts[0].items():
+        if not torch.is_tensor(value) or value.dim() == 0:
+            assert all(torch.equal(p[key], value) if torch.is_tensor(value) else p[key] == value for p in parts), key
+            out[key] = value  # a global value (num_items_in_batch): the same on both ranks
+            continue
+        values = [p[key] for p in parts]
+        if key.startswith("completion") or key.endswith("per_token_logps"):
+            values = [torch.nn.functional.pad(v, (0, width - v.size(1))) for v in values]
+        out[key] = torch.cat(values)
+    return out
+
+
+def test_two_processes_decide_one_round_and_make_one_processs_update(ranks, tok, tmp_path):
+    assert [run["world"] for run in ranks] == [2, 2] and ranks[0]["backend"] == "gloo"
+    batch = whole_batch(ranks)
+    mask = batch["completion_mask"].bool()
+    probs = batch["old_per_token_logps"].float().exp()
+    threshold = logged(ranks[0], "lopti/threshold")
+    assert logged(ranks[1], "lopti/threshold") == threshold
+    assert threshold == pytest.approx(quantile_threshold(probs[mask], QUANTILE), rel=1e-6)  # the whole batch's
+    counts = {"low": 0, "high": 0}
+    for run in ranks:
+        phases = [m for m in run["trained"]]
+        assert [m["lopti_phase"] for m in phases] == [0, 1]
+        rank_mask = phases[0]["completion_mask"].bool()
+        low = rank_mask & (phases[0]["old_per_token_logps"].float().exp() < threshold)
+        assert torch.equal(phases[0]["lopti_phase_mask"], low)
+        assert torch.equal(phases[1]["lopti_phase_mask"], rank_mask & ~low)
+        counts["low"] += int(low.sum())
+        counts["high"] += int((rank_mask & ~low).sum())
+        for name in counts:
+            assert logged(run, f"lopti/{name}/tokens") == logged(ranks[0], f"lopti/{name}/tokens")
+    assert counts["low"] > 0 and counts["high"] > 0 and sum(counts.values()) == int(mask.sum())
+    assert {name: logged(ranks[0], f"lopti/{name}/tokens") for name in counts} == counts
+
+    one = build(str(tmp_path), tok, per_device_batch=8, replay=batch)
+    initial = [p.detach().clone() for p in one.model.parameters()]
+    one.train()
+    alone = {"logs": one.state.log_history}
+    assert logged(alone, "lopti/threshold") == threshold
+    assert {name: logged(alone, f"lopti/{name}/tokens") for name in counts} == counts
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))  # DDP kept them equal
+    ulp = torch.finfo(torch.float32).eps
+    for i, (ours, theirs) in enumerate(zip(one.model.parameters(), ranks[0]["params"])):
+        # the same update up to fp32 rounding (DDP sums two halves' gradients, one process one batch's): a few
+        # ulps of the parameter (seen: below 1 ulp), where a wrong normalisation would be off by the step itself
+        assert (ours.detach() - theirs).abs().max() <= 4 * ulp * theirs.abs().max(), i
+    assert any((ours.detach() - p0).abs().max() > 0 for p0, ours in zip(initial, one.model.parameters()))

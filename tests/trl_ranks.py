@@ -1,0 +1,80 @@
+"""One rank of ``LoptiGRPOTrainer`` under a real launcher (``torchrun --nproc_per_node N tests/trl_ranks.py OUT``).
+
+Trains one Lopti round (a quantile threshold, so the ranks must gather to agree) on the tiny Llama of
+tests/test_trl_trainer.py, on CPU over gloo, and writes ``OUT/rank<r>.pt``: the micro-batches the loss saw (a one-process replay of the
+same global batch starts from them), the logged metrics and the trained parameters. tests/test_trl_processes.py reads them.
+"""
+
+import os
+import sys
+
+import torch
+from trl import GRPOTrainer
+
+from openrlhf_lopti.trl import LoptiGRPOConfig, LoptiGRPOTrainer
+from tests.test_trl_trainer import distinct_words, kk_dataset, settings, tiny_model
+
+QUANTILE = 0.4
+
+
+def round_settings(out: str, per_device_batch: int) -> dict:
+    """One round (2 optimizer steps, one per phase), dapo's token-mean over the global batch (so that DDP's mean
+    over ranks is one process's loss on the whole batch), SGD."""
+    return settings(out, loss_type="dapo", per_device_train_batch_size=per_device_batch, num_generations=4,
+                    gradient_accumulation_steps=1, steps_per_generation=1, max_steps=2, lopti_quantile=QUANTILE,
+                    ar_alpha=0.3, shuffle_dataset=False)  # fmt: skip
+
+
+class Replayed(GRPOTrainer):
+    """Below ``LoptiGRPOTrainer`` in the MRO: with ``replay`` set, TRL's generation returns it instead of generating
+    (a one-process run of the batch the ranks generated together)."""
+
+    replay = None
+
+    def _generate_and_score_completions(self, inputs):
+        if self.replay is None:
+            return super()._generate_and_score_completions(inputs)
+        return {k: v.clone() if torch.is_tensor(v) else v for k, v in self.replay.items()}
+
+
+class Trainer(LoptiGRPOTrainer, Replayed):
+    """Records every micro-batch the loss sees."""
+
+    def _compute_loss(self, model, inputs):
+        self.trained.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+        return super()._compute_loss(model, inputs)
+
+
+def build(out: str, tok, per_device_batch: int, replay=None) -> Trainer:
+    """The trainer of one rank (``replay`` None) or of the one-process replay."""
+    cfg = LoptiGRPOConfig(**round_settings(out, per_device_batch))
+    data = kk_dataset(1).to_list() * 8  # one prompt: every rank's prompt tokens line up (no left padding)
+    from datasets import Dataset
+
+    trainer = Trainer(model=tiny_model(tok), reward_funcs=[distinct_words], args=cfg,
+                      train_dataset=Dataset.from_list(data), processing_class=tok)  # fmt: skip
+    trainer.trained, trainer.replay = [], replay
+    return trainer
+
+
+def main(out: str) -> int:
+    from openrlhf_lopti.demo.tiny_model import build_word_tokenizer
+
+    trainer = build(out, build_word_tokenizer(), per_device_batch=4)
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    torch.save(
+        {
+            "world": trainer.accelerator.num_processes,
+            "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+            "trained": trainer.trained,
+            "logs": trainer.state.log_history,
+            "params": [p.detach().clone() for p in trainer.model.parameters()],
+        },
+        os.path.join(out, f"rank{rank}.pt"),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
