@@ -122,7 +122,7 @@ def run_local(tiny, method: dict, float64: bool, optimizer: str = "sgd", epochs:
                                                                                "advantages", "rewards")})  # fmt: skip
     lopti = method["eta"] is not None or method.get("quantile") is not None
     cfg = TrainConfig(
-        model="unused", out="unused", alpha=method["alpha"], lopti=lopti, eta=method["eta"] or 0.5,
+        model="unused", out="unused", alpha=method["alpha"], lopti=lopti, eta=method["eta"],
         lopti_quantile=method.get("quantile"), optimizer=optimizer, lr=LR, mini_batch_size=MINI,
         micro_batch_size=micro, epochs=epochs, grad_clip=1.0, kl_coef=KL, kl_estimator="k3", eps_low=0.2,
         eps_high=0.24, temperature=tiny["temperature"], n_samples=4, loss_backend="torch",
