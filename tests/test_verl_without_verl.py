@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # from a checkout, the command installs the extra from that checkout (the package is on no index)
-MESSAGE = ("openrlhf_lopti.verl needs verl 0.9.1, in its own environment (it needs transformers<5.11): "
+MESSAGE = ("openrlhf_lopti.verl needs verl 0.9.1, in its own environment (verl and TRL cannot share one): "
            f'make -C "{REPO}" venv-verl, then use {REPO}/.venv-verl/bin/python (see docs/VERL.md)')
 
 

@@ -14,8 +14,9 @@ The keys (``ar_alpha``, ``lopti_eta``, ``lopti_order``, ``lopti_quantile``) live
 
 from openrlhf_lopti.install import checkout, pip_install
 
-# verl 0.9.1 needs transformers<5.11: its own environment (a checkout's Makefile makes it), not the main one
-MISSING_VERL = "openrlhf_lopti.verl needs verl 0.9.1, in its own environment (it needs transformers<5.11): " + (
+# verl 0.9.1 gets its own environment (a checkout's Makefile makes it): TRL 1.x cannot share one with it, and the
+# tested one runs vLLM's CPU build on transformers 5.19, past verl's declared <5.11 (docs/VERL.md)
+MISSING_VERL = "openrlhf_lopti.verl needs verl 0.9.1, in its own environment (verl and TRL cannot share one): " + (
     f'make -C "{checkout()}" venv-verl, then use {checkout()}/.venv-verl/bin/python' if checkout()
     else f"in a venv with torch, {pip_install('verl')}") + " (see docs/VERL.md)"
 
