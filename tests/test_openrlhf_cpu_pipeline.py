@@ -127,6 +127,10 @@ def driver(monkeypatch, tmp_path):
                          (controller, "PPOTrainer")):  # fmt: skip
         monkeypatch.setattr(module, name, getattr(module, name))
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    # A hang guard, not what these tests time: the sync group's rendezvous waits for vLLM engines that start in
+    # niced Ray workers, and beside two busy processes that took more than the 60 s default ("1/3 clients joined"
+    # after 61 s); 10x that. The error-at-sync test bounds its own time (SYNC_ERROR_BOUND_S).
+    monkeypatch.setenv("OPENRLHF_LOPTI_CPU_SYNC_TIMEOUT", "600")
     log = tmp_path / "syncs.jsonl"
     monkeypatch.setattr(evaluation, "LoptiPPOTrainer", checked_sync_controller(log))
     yield log
