@@ -162,3 +162,22 @@ def test_the_cli_refuses_a_moe_model_in_one_line_within_seconds(tmp_path):
     # Times real work: parsing and config.json only, no Ray, no vLLM (measured: about 10 s on 2 loaded cores; the
     # bound allows 10x); that no Ray started is also read from stderr above.
     assert seconds < 100
+
+
+def test_the_local_ray_runs_its_workers_at_the_drivers_priority(monkeypatch):
+    """Ray's default worker niceness (15) starved the DeepSpeed ranks and vLLM engines beside two busy processes
+    (the weight sync's rendezvous timed out); a real local Ray, started as ``--cpu`` starts it, and a real task."""
+    import os
+
+    import ray
+
+    from openrlhf_lopti.openrlhf.cpu.runtime import WORKER_NICENESS_ENV, init_ray
+
+    monkeypatch.setenv(WORKER_NICENESS_ENV, "x")
+    monkeypatch.delenv(WORKER_NICENESS_ENV)  # absent now, and absent again after the test
+    init_ray(parse_args(BASE))
+    try:
+        niceness = ray.get(ray.remote(lambda: os.nice(0)).remote(), timeout=600)
+    finally:
+        ray.shutdown()
+    assert niceness == os.nice(0)

@@ -169,3 +169,17 @@ def test_multinode_script_places_ranks_on_both_nodes_and_trains(cluster, tmp_pat
     engine_nodes = [actor["node_id"] for actor in json.loads(listed)]
     assert len(engine_nodes) == 2 and set(engine_nodes) == nodes  # a vLLM engine on each node, the second one too
     AutoModelForCausalLM.from_pretrained(save / "kk_grpo_ar_lopti_2nodes")  # the final model, saved by rank 0
+
+    # CPU=1 starts the raylets with RAY_worker_niceness=0: Ray's default (15) starved the ranks and engines beside
+    # other work. A task on each node reports its worker's niceness.
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ray.init(address=cluster["RAY_ADDRESS"])
+    try:
+        where = ray.remote(lambda: (ray.get_runtime_context().get_node_id(), os.nice(0)))
+        pinned = [where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+                  for node in nodes]  # fmt: skip
+        assert dict(ray.get(pinned, timeout=600)) == {node: os.nice(0) for node in nodes}
+    finally:
+        ray.shutdown()

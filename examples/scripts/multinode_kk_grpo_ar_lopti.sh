@@ -27,6 +27,12 @@ DATA_DIR=${DATA_DIR:-$PWD/data/kk}
 SAVE_DIR=${SAVE_DIR:-$PWD/checkpoints/kk_$(basename "$MODEL")}
 RUN_NAME=${RUN_NAME:-kk_grpo_ar_lopti_${NUM_NODES}nodes}
 
+# CPU=1: Ray starts its workers at nice 15; on a CPU they are the whole run, so beside other work they would starve
+# (openrlhf_lopti/openrlhf/cpu/runtime.py does the same for a local Ray).
+if [[ "${CPU:-0}" == 1 ]]; then
+  export RAY_worker_niceness=${RAY_worker_niceness:-0}
+fi
+
 case "$ROLE" in
   head)
     exec "$RAY" start --head --node-ip-address "$HEAD_IP" --port "$RAY_PORT" --dashboard-host 0.0.0.0 \

@@ -46,6 +46,9 @@ def main_ppo_overrides(ngpus: int = 1, num_cpus: Optional[int] = None, temp_dir:
         f"++{ray}.num_gpus={ngpus}",
         f"++{ray}.address=local",
         f"++{ray}.include_dashboard=false",
+        # Ray starts its workers at nice 15; on a CPU they are the whole run (actor, rollout, reward), so beside any
+        # other work they would starve. Passed to the local Ray that main_ppo's ray.init starts.
+        f"++{ray}._system_config.worker_niceness=0",
         "actor_rollout_ref.rollout.name=vllm",
         "actor_rollout_ref.rollout.mode=async",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",

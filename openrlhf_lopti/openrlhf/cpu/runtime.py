@@ -26,6 +26,7 @@ from typing import Any, List, Optional, Tuple
 CPU_ENV = {"DS_ACCELERATOR": "cpu"}
 # Upstream's train() passes these to ray.init(runtime_env=...) when it starts Ray itself; we start it first.
 UPSTREAM_ENV = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+WORKER_NICENESS_ENV = "RAY_worker_niceness"  # read by the raylet that ray.init starts
 
 
 def setup_cpu_worker() -> None:
@@ -177,6 +178,10 @@ def init_ray(args: Any) -> None:
         os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
         return
+    # Ray starts its workers at nice 15 (RayConfig worker_niceness) to keep the driver responsive; on a CPU the
+    # workers are the whole run (DeepSpeed ranks, vLLM engines), so beside any other work they would starve and the
+    # sync group's rendezvous time out. A value the user set wins.
+    os.environ.setdefault(WORKER_NICENESS_ENV, "0")
     gpus = _logical_gpus(args)
     # CPUs are logical too: upstream's bundles ask for one per GPU, on top of its controller actor.
     ray.init(address="local", num_cpus=gpus + 4, num_gpus=gpus, runtime_env=runtime_env, include_dashboard=False)
