@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from openrlhf_lopti.openrlhf.cpu.runtime import WORKER_NICENESS_ENV
 from openrlhf_lopti.openrlhf.cpu.stubs import install_cpu_stubs
 
 from .run_logs import failure_report
@@ -131,6 +132,10 @@ def driver(monkeypatch, tmp_path):
     # niced Ray workers, and beside two busy processes that took more than the 60 s default ("1/3 clients joined"
     # after 61 s); 10x that. The error-at-sync test bounds its own time (SYNC_ERROR_BOUND_S).
     monkeypatch.setenv("OPENRLHF_LOPTI_CPU_SYNC_TIMEOUT", "600")
+    # Unset, as a user's shell leaves it: the launch sets Ray's worker niceness itself; undone after the test, so
+    # that no later test's Ray inherits it from this process.
+    monkeypatch.setenv(WORKER_NICENESS_ENV, "")
+    monkeypatch.delenv(WORKER_NICENESS_ENV)
     log = tmp_path / "syncs.jsonl"
     monkeypatch.setattr(evaluation, "LoptiPPOTrainer", checked_sync_controller(log))
     yield log

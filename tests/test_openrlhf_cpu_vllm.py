@@ -39,10 +39,14 @@ def engine(model_dir):
     import ray
 
     from openrlhf_lopti.openrlhf.cpu.engine import create_cpu_vllm_engines
+    from openrlhf_lopti.openrlhf.cpu.runtime import WORKER_NICENESS_ENV
 
     runtime_env = {"env_vars": {"DS_ACCELERATOR": "cpu"},
                    "worker_process_setup_hook": "openrlhf_lopti.openrlhf.cpu.runtime.setup_cpu_worker"}  # fmt: skip
-    ray.init(address="local", num_cpus=3, num_gpus=1, runtime_env=runtime_env, include_dashboard=False)
+    with pytest.MonkeyPatch.context() as env:
+        # as --cpu's own Ray (runtime.init_ray): workers at nice 0, else the engine starves beside other work
+        env.setenv(WORKER_NICENESS_ENV, "0")
+        ray.init(address="local", num_cpus=3, num_gpus=1, runtime_env=runtime_env, include_dashboard=False)
     try:
         (engine,) = create_cpu_vllm_engines(
             1, 1, str(model_dir), 0, False, True, False, 128, logprobs_mode="processed_logprobs", dtype="float32"

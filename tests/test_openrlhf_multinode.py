@@ -102,6 +102,7 @@ def cluster(tmp_path):
         RAY_PORT=str(free_port()), DASHBOARD_PORT=str(free_port()), CPU="1", PYTHON=sys.executable, **RAY_HEALTH,
     )  # fmt: skip
     env["RAY_ADDRESS"] = f"127.0.0.1:{env['RAY_PORT']}"
+    env.pop("RAY_worker_niceness", None)  # the script's CPU=1 sets it (checked at the end of the test)
     # the weight-sync group's hang guard, as in test_openrlhf_cpu_pipeline.py: its 60 s default was crossed beside
     # two busy processes while the engines started; 10x that
     env["OPENRLHF_LOPTI_CPU_SYNC_TIMEOUT"] = "600"

@@ -10,9 +10,11 @@ from openrlhf_lopti.verl.cpu_overrides import main_ppo_overrides
 from . import harness
 
 
-def test_main_ppos_local_ray_runs_its_workers_at_the_drivers_priority():
+def test_main_ppos_local_ray_runs_its_workers_at_the_drivers_priority(monkeypatch):
     import ray
     from omegaconf import OmegaConf
+
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)  # the overrides must do it, not this environment
 
     temp_dir = tempfile.mkdtemp(prefix="verl-ray-", dir="/tmp")  # short, as the script's: socket paths < 108 chars
     cfg = harness.compose(main_ppo_overrides(ngpus=1, temp_dir=temp_dir))
