@@ -89,6 +89,8 @@ from .cpu_colocate import colocated_engine, repack_after_every_sync, vllm_on_cpu
 from .reward_check import RewardCheck
 
 PHASE_KEYS = ("lopti_phase_1", "lopti_phase_2")  # [B, T] bool masks in update order, in the generation batch
+# 0-dim: each phase's token count over every process (0: the phase is skipped on every process together)
+PHASE_TOKEN_KEYS = ("lopti_tokens_1", "lopti_tokens_2")
 # in a checkpoint saved between two phases of a round, per process: the round's generation batch and LR start
 ROUND_FILE = "lopti_round-{}.pt"
 
@@ -187,23 +189,38 @@ class LoptiGRPOTrainer(GRPOTrainer):
         phase = position // cycle
         inputs["lopti_phase"] = phase
         inputs["lopti_phase_mask"] = inputs[PHASE_KEYS[phase]]
+        inputs["lopti_phase_tokens"] = int(inputs[PHASE_TOKEN_KEYS[phase]])
         return inputs
 
     # ---- a checkpoint between two phases of a round carries the round ----
 
-    def _round_file(self, checkpoint: str) -> str:
-        return os.path.join(checkpoint, ROUND_FILE.format(self.accelerator.process_index))
+    def _round_file(self, checkpoint: str, process: Optional[int] = None) -> str:
+        process = self.accelerator.process_index if process is None else process
+        return os.path.join(checkpoint, ROUND_FILE.format(process))
+
+    def _round_settings(self) -> dict:
+        """The settings that give a saved round its meaning: how its generation batch is split into micro-steps and
+        optimizer steps, over how many processes, and how its phases were decided."""
+        args = self.args
+        return {
+            "steps_per_generation": args.steps_per_generation, "num_iterations": self.num_iterations,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "per_device_train_batch_size": args.per_device_train_batch_size, "num_generations": self.num_generations,
+            "num_processes": self.accelerator.num_processes,
+            "lopti_eta": args.lopti_eta, "lopti_quantile": args.lopti_quantile, "lopti_order": args.lopti_order,
+        }  # fmt: skip
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint; cut mid-round, also each process's round (its generation batch, phase masks and the
-        round's LR start), so that a resume trains the rest of the round as the uninterrupted run does."""
+        round's LR start, with the settings they mean something under), written first: TRL's checkpoint may push
+        the folder to the Hub (``_push_from_checkpoint``) before it returns."""
+        if self.args.lopti and self._round_position() != 0 and self._buffered_inputs is not None:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            round_state = {"buffered_inputs": self._buffered_inputs, "schedule": self._round_schedule.state_dict(),
+                           "settings": self._round_settings()}  # fmt: skip
+            torch.save(round_state, self._round_file(folder))
         super()._save_checkpoint(model, trial)
-        if not self.args.lopti or self._round_position() == 0 or self._buffered_inputs is None:
-            return
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        round_state = {"buffered_inputs": self._buffered_inputs, "schedule": self._round_schedule.state_dict()}
-        torch.save(round_state, self._round_file(folder))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -211,21 +228,50 @@ class LoptiGRPOTrainer(GRPOTrainer):
             self._load_round(checkpoint)
 
     def _load_round(self, checkpoint: str) -> None:
-        """After TRL loaded ``checkpoint``'s state: a checkpoint cut mid-round gives back the round it cut."""
+        """After TRL loaded ``checkpoint``'s state: a checkpoint cut mid-round gives back the round it cut.
+
+        Every process learns whether the checkpoint holds the whole round (each process's file, saved under this
+        run's settings) from one gather, and all raise the same line if not: a process raising alone would leave
+        the others waiting in their first collective."""
         self._buffered_inputs, self._round_schedule = None, None
-        position = self._round_position()
-        if position == 0:
-            return
         path = self._round_file(checkpoint)
-        if not os.path.exists(path):
+        device = self.accelerator.device  # "cpu:0" in a multi-process CPU run, which torch.load cannot map to
+        device = "cpu" if device.type == "cpu" else device
+        state = torch.load(path, map_location=device, weights_only=False) if os.path.exists(path) else None
+        problem = None if state is None else _settings_problem(state.get("settings"), self._round_settings())
+        found = self._gather_objects((state is not None, problem))
+        position = self._round_position()
+        have = [r for r, (exists, _) in enumerate(found) if exists]
+        where = f"resume_from_checkpoint: {checkpoint}"
+        problems = [p for _, p in found if p is not None]
+        if problems:
+            raise ValueError(f"{where}: its Lopti round {problems[0]}; resume with those settings, or from a "
+                             "checkpoint at a whole number of rounds")  # fmt: skip
+        if not have and position == 0:
+            return
+        if not have:
             raise ValueError(
-                f"resume_from_checkpoint: {checkpoint} was saved at micro-step {position} of a Lopti round without "
-                f"its round ({os.path.basename(path)}); resume from a checkpoint at a whole number of rounds"
+                f"{where} was saved at micro-step {position} of a Lopti round without its round "
+                f"({ROUND_FILE.format('<process>')}); resume from a checkpoint at a whole number of rounds"
             )
-        state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+        if len(have) < len(found):
+            missing = [r for r in range(len(found)) if r not in have]
+            raise ValueError(
+                f"{where} holds the Lopti round of processes {have} but not of {missing} "
+                f"({', '.join(os.path.basename(self._round_file(checkpoint, r)) for r in missing)}): each process "
+                "writes its own, on its node's disk; copy every node's into the checkpoint"
+            )
         self._buffered_inputs = state["buffered_inputs"]
         self._round_schedule = RoundSchedule(getattr(self, "lr_scheduler", None), self.optimizer)
         self._round_schedule.load_state_dict(state["schedule"])
+
+    def _gather_objects(self, value) -> list:
+        """``value`` of every process, in process order."""
+        if self.accelerator.num_processes == 1:
+            return [value]
+        from accelerate.utils import gather_object
+
+        return gather_object([value])
 
     def _generate_and_score_completions(self, inputs: list) -> dict:
         """TRL's generation and scoring, plus ``old_per_token_logps`` always (fused loss) and the Lopti phase masks.
@@ -259,6 +305,8 @@ class LoptiGRPOTrainer(GRPOTrainer):
             self._metrics[mode][key].append(value)
         if lopti is not None:
             output[PHASE_KEYS[0]], output[PHASE_KEYS[1]] = (phase.mask for phase in lopti_round.phases)
+            for key, phase in zip(PHASE_TOKEN_KEYS, lopti_round.phases):
+                output[key] = torch.tensor(phase.tokens)  # 0-dim: every micro-batch of the round carries it whole
         return output
 
     def _gather_over_processes(self, values: torch.Tensor) -> torch.Tensor:
@@ -337,6 +385,11 @@ class LoptiGRPOTrainer(GRPOTrainer):
         response tokens. Falls back to TRL's own ``_compute_loss`` with ``fused_loss=False``."""
         if not self.args.fused_loss:
             return super()._compute_loss(model, inputs)
+        if inputs.get("lopti_phase_tokens") == 0:
+            # a phase without a token on any process (the count is global: every process is here together): no
+            # forward, no gradient, so the optimizer step that closes the window finds none and moves no weight
+            # (AdamW skips a parameter without a gradient: no moment update, no weight decay)
+            return torch.zeros((), device=self.accelerator.device, requires_grad=True)
         mode = "train" if self.model.training else "eval"
         mask = self._loss_mask(inputs)  # [B, T] 0/1
         keep = mask.bool()
@@ -453,6 +506,17 @@ class _DirectionAtRoundEnd(TrainerCallback):
         if at_round_end and trainer._buffered_inputs is not None:
             for key, value in trainer._direction_metrics().items():
                 trainer._metrics["train"][key].append(value)
+
+
+def _settings_problem(saved: Optional[dict], now: dict) -> Optional[str]:
+    """Why a round saved under ``saved`` settings cannot go on under ``now`` (one clause naming the setting and both
+    values), or None."""
+    if saved is None:
+        return "was saved without the settings it was made under (an older openrlhf-lopti)"
+    for key, value in now.items():
+        if saved.get(key) != value:
+            return f"was saved with {key}={saved.get(key)!r}, this run has {key}={value!r}"
+    return None
 
 
 def kk_reward(prompts: list, completions: list, label: list, **kwargs: Any) -> list:
