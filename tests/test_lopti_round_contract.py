@@ -112,6 +112,16 @@ def test_a_nested_batch_gets_the_padded_batchs_round(name, settings):
     with pytest.raises(ValueError, match=r"^response_mask: a nested round needs .* got a padded tensor") as info:
         plan_round(nested_old, mask, settings)
     assert "\n" not in str(info.value)
+    # rows cut out of a longer buffer (narrow): values() also holds the gaps between the rows, which would count as
+    # tokens (before: accepted, and the gaps planned as response tokens)
+    buffer = torch.cat([old, torch.zeros_like(old)], dim=1)
+    cut = torch.nested.narrow(buffer, 1, torch.zeros(4, dtype=torch.long), mask.sum(-1), layout=torch.jagged)
+    cut_mask = torch.nested.narrow(torch.cat([mask, mask], 1), 1, torch.zeros(4, dtype=torch.long), mask.sum(-1),
+                                   layout=torch.jagged)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^old_log_probs: a nested round needs contiguous jagged rows") as info:
+        plan_round(cut, cut_mask, settings)
+    assert "\n" not in str(info.value)
+    assert plan_round(cut.contiguous(), cut_mask.contiguous(), settings).threshold == padded.threshold
 
 
 @pytest.mark.parametrize("name, local, openrlhf, trl, expected", SETTINGS, ids=[s[0] for s in SETTINGS])

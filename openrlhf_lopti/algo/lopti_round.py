@@ -220,6 +220,11 @@ def _jagged_offsets(old_log_probs: torch.Tensor, response_mask: Optional[torch.T
                 f"{name}: a nested round needs old_log_probs and response_mask both as jagged nested tensors [B, j] "
                 f"(torch.nested, layout=torch.jagged), got a {kind} tensor of {tensor.dim()} dims"
             )
+        if tensor.lengths() is not None:  # its values() hold the gaps between rows too: they would count as tokens
+            raise ValueError(
+                f"{name}: a nested round needs contiguous jagged rows (values() holding exactly the rows' tokens), "
+                "got a non-contiguous jagged tensor (with lengths(), e.g. from narrow()): pass it .contiguous()"
+            )
     offsets = old_log_probs.offsets()
     if response_mask is not None and not torch.equal(response_mask.offsets().to(offsets.device), offsets):
         raise ValueError("response_mask must have the rows of old_log_probs: their nested offsets differ")
