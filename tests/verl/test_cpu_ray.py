@@ -25,3 +25,10 @@ def test_main_ppos_local_ray_runs_its_workers_at_the_drivers_priority(monkeypatc
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert niceness == os.nice(0)
+
+
+def test_a_users_worker_niceness_is_kept(monkeypatch):
+    """A ``RAY_worker_niceness`` the user set is what main_ppo's local Ray gets (Ray's ``_system_config`` overrides
+    its environment variable: before, the overrides' 0 replaced the user's value)."""
+    monkeypatch.setenv("RAY_worker_niceness", "7")
+    assert "++ray_kwargs.ray_init._system_config.worker_niceness=7" in main_ppo_overrides(ngpus=1)
