@@ -13,6 +13,7 @@ it. Else :func:`cpp_available` is False and one warning says why, with the comma
 import importlib
 import logging
 import os
+import shlex
 import shutil
 import sys
 import threading
@@ -24,7 +25,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..algo import PolicyLossOutput
-from ..install import pip_install
+from ..install import checkout, pip_install
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,11 @@ class _CannotBuild(RuntimeError):
 
 
 def _csrc() -> Path:
-    """The kernel's C++ sources: inside the installed package (a wheel carries them), else the checkout's csrc/."""
+    """The kernel's C++ sources: inside the installed package (a wheel carries them), else a source checkout's csrc/
+    (never a csrc/ that only sits beside an installed package: in site-packages it is another package's)."""
     inside = _PACKAGE / "csrc"
-    return inside if any(inside.glob("*.cpp")) else _PACKAGE.parent / "csrc"
+    root = checkout()
+    return inside if any(inside.glob("*.cpp")) or root is None else root / "csrc"
 
 
 def _stale_extension_reason() -> Optional[str]:
@@ -85,9 +88,12 @@ def _jit_build() -> None:
         raise _CannotBuild(f"no C++ sources in {where} (a wheel built without them): reinstall, "
                            f"{pip_install()} --force-reinstall --no-deps")  # fmt: skip
     compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise _CannotBuild(f"no C++ compiler ({compiler!r} is not on PATH): install one (Debian/Ubuntu: apt-get "
-                           "install g++; conda: conda install gxx) or set CXX")  # fmt: skip
+    # CXX may be a command line, a launcher before the compiler ("ccache g++"): every program of it must be there
+    missing = [word for word in shlex.split(compiler) or ["c++"] if not word.startswith("-") and not shutil.which(word)]
+    if missing:
+        what = repr(missing[0]) if missing[0] == compiler else f"{missing[0]!r} of CXX={compiler!r}"
+        raise _CannotBuild(f"no C++ compiler ({what} is not on PATH): install one (Debian/Ubuntu: apt-get install "
+                           "g++; conda: conda install gxx) or set CXX")  # fmt: skip
     if shutil.which("ninja") is None:
         try:  # the pip `ninja` package, when the venv's bin/ is not on PATH
             import ninja
