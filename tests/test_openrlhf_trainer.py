@@ -450,6 +450,8 @@ def test_eta_putting_every_token_in_one_phase_is_exactly_the_baseline(fused, den
         lopti = train_round(env, Lopti, make_args(*common, *flags), gas=2)
         assert len(lopti.strategy.steps) == len(baseline.strategy.steps) == 2  # the empty phase is skipped
         assert params_equal(lopti, baseline)
+        # and leaves the LR schedule where the baseline's pass left it (tests/test_lopti_round_contract.py)
+        assert lopti.trainer.actor_scheduler.state_dict() == baseline.trainer.actor_scheduler.state_dict()
         assert lopti.status["policy_loss"] == baseline.status["policy_loss"]
         assert lopti.status["lopti/low_token_frac"] == (1.0 if eta == "1.0" else 0.0)
         empty = "high" if eta == "1.0" else "low"
