@@ -37,7 +37,10 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   on resume; a checkpoint saved mid-round also holds each process's round (``lopti_round-<process>.pt``: the
   generation batch with its phase masks, the round's LR start), so a resumed run trains the rest of that round
   on the same batch, phases and learning rates as the uninterrupted run. A checkpoint at a round's end holds
-  none: the resumed run generates a new batch, as TRL does.
+  none: the resumed run generates a new batch, as TRL does. The round file also holds the settings it means
+  something under (``_round_settings``); a resume under others, or from a checkpoint without every process's
+  file, is refused on every process with the same line (``_load_round``). A phase without a token on any process
+  runs its micro-steps without a forward or a gradient, so it takes no optimizer step.
 - ``track_direction``: after each round's last optimizer step, ``direction/*`` (paper Fig. 3, ``algo.direction``)
   from one forward-only pass over the round's generation batch, summed over processes.
 - ``fused_loss`` (default True): ``_compute_loss`` takes the model's logits of the completion (in the model's
