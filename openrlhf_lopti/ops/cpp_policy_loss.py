@@ -54,8 +54,8 @@ def _csrc() -> Path:
     """The kernel's C++ sources: inside the installed package (a wheel carries them), else a source checkout's csrc/
     (never a csrc/ that only sits beside an installed package: in site-packages it is another package's)."""
     inside = _PACKAGE / "csrc"
-    root = checkout()
-    return inside if any(inside.glob("*.cpp")) or root is None else root / "csrc"
+    in_checkout = checkout() == _PACKAGE.parent  # this package is a source checkout's, not an installed copy
+    return inside if any(inside.glob("*.cpp")) or not in_checkout else _PACKAGE.parent / "csrc"
 
 
 def _stale_extension_reason() -> Optional[str]:
