@@ -47,7 +47,7 @@ TRL_LOSS_OPTIONS = {
     "luspo-sequence": dict(loss_type="luspo", importance_sampling_level="sequence"),
     "gspo": dict(importance_sampling_level="sequence"),
     "delta": dict(delta=1.05),
-    "off-policy-mask": dict(off_policy_mask_threshold=0.01),
+    "off-policy-mask": dict(off_policy_mask_threshold=1e-4),
     "adaptive-entropy": dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=10.0),
 }
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
@@ -135,6 +135,19 @@ def test_ar_lopti_on_trls_loss(tmp_path, tok, options, capsys):
     torch.testing.assert_close(ours[phase], theirs[phase], rtol=1e-5, atol=1e-6 * float(scale))
     assert torch.equal(ours[~phase], torch.zeros_like(ours[~phase]))
     assert (no_ar[phase] - theirs[phase]).abs().max() > 1e-3 * scale  # AR's weights changed the gradient
+    if "delta" in options or "off_policy_mask_threshold" in options:  # the option acts on this batch
+        off = dict(delta=None) if "delta" in options else dict(off_policy_mask_threshold=None)
+        saved = {name: getattr(trainer.args, name) for name in off}
+        for name, value in off.items():
+            setattr(trainer.args, name, value)
+        trainer.off_policy_mask_threshold = trainer.args.off_policy_mask_threshold  # TRL reads it from the trainer
+        try:
+            without = completion_grads(trainer, plain, trl_loss)
+        finally:
+            for name, value in saved.items():
+                setattr(trainer.args, name, value)
+            trainer.off_policy_mask_threshold = trainer.args.off_policy_mask_threshold
+        assert (without[phase] - theirs[phase]).abs().max() > 1e-3 * scale
 
 
 def test_trl_loss_trains_the_fused_round(tmp_path, tok):

@@ -8,12 +8,14 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   when the batch was generated (temperature applied), computed by TRL's own ``_get_per_token_logps_and_entropies``
   under ``no_grad`` in ``_generate_and_score_completions``, before any update on the batch. TRL skips them in the
   on-policy case (``num_iterations == 1`` and the generation batch within one optimizer step) and uses the
-  current log-probs detached instead; with ``fused_loss`` this trainer always computes them (one extra forward
-  per generation batch in that case), because Lopti's second phase runs on weights the first phase moved. With
+  current log-probs detached instead; on the fused path, and with AR or Lopti on TRL's loss path, this trainer
+  always computes them (one extra forward per generation batch in that case), because Lopti's second phase runs
+  on weights the first phase moved. With
   vLLM they are still the training model's (vLLM's own are ``sampling_per_token_logps``, used by TRL's
   importance-sampling correction only). They are the PPO anchor, AR's ``p`` and Lopti's threshold variable.
-- ``ar_alpha``: the ``alpha`` of ``fused_policy_loss``: each token's advantage times
-  ``alpha * exp(old_per_token_logps) + 1 - alpha`` (``algo.ar_weight``). Logged as ``ar/mean_weight``.
+- ``ar_alpha``: the ``alpha`` of ``fused_policy_loss`` (on TRL's loss path, ``algo.reweight_advantages`` on
+  ``[B, T]`` advantages): each token's advantage times ``alpha * exp(old_per_token_logps) + 1 - alpha``
+  (``algo.ar_weight``). Logged as ``ar/mean_weight``.
 - ``lopti_eta`` / ``lopti_order`` / ``lopti_quantile``: ``algo.plan_round`` on ``old_per_token_logps`` and the
   loss mask of the whole generation batch, once per generation: the threshold (a quantile is taken over the
   generation batches of every process), each token's phase and the round's metrics (``lopti/threshold``,
@@ -25,8 +27,11 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   left. In a phase the other tokens are out of the loss (no surrogate, KL or entropy term), while every
   normalisation of TRL's ``loss_type`` keeps counting all response tokens (``mask.sum(-1)`` for grpo,
   ``mask.sum()`` for bnpo, ``num_items_in_batch`` for dapo, the constant of dr_grpo), as our other trainers
-  do: the two phases together weigh each token as one plain pass does. Per phase:
-  ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``.
+  do: the two phases together weigh each token as one plain pass does. Per phase (fused path):
+  ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``. On TRL's loss path a phase takes the
+  gradient of TRL's loss through its own tokens' log-probs and entropies only (``algo.phase_gradient``): the
+  same masking for token-level losses, and for a sequence-level importance ratio the whole sequence's ratio
+  (docs/LOPTI_ROUND.md); TRL's metrics there cover every token of the micro-batch.
 - Steps. The LR schedule moves once per round, as OpenRLHF's does: ``algo.RoundSchedule`` puts phase 2 back on
   the schedule phase 1 started from (``_prepare_inputs``), so both phases train at the same learning rates, and
   ``create_scheduler`` spans half the optimizer steps. TRL's own step counters (``max_steps``, ``save_steps``,
@@ -40,22 +45,26 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   none: the resumed run generates a new batch, as TRL does.
 - ``track_direction``: after each round's last optimizer step, ``direction/*`` (paper Fig. 3, ``algo.direction``)
   from one forward-only pass over the round's generation batch, summed over processes.
-- ``fused_loss`` (default True): ``_compute_loss`` takes the model's logits of the completion (in the model's
-  dtype, no fp32 ``[N, V]`` copy) and runs ``fused_policy_loss`` on the trained tokens only; ``fused_lm_head``
-  runs ``fused_linear_policy_loss`` on the backbone's last hidden states and the output layer instead, so no
-  logits exist. KL is TRL's k3 (clamped to [-10, 10] like OpenRLHF's, as our kernels do); the log ratio is
-  clamped to +-20 before ``exp``. TRL's metrics keep their names (``entropy``, ``kl``, ``clip_ratio/*_mean``).
+- The loss path, decided once when the trainer is built and printed in one line (``[openrlhf-lopti] TRL loss
+  path: ...``). Fused (``fused_loss=True``, the default, where the kernel computes exactly the loss TRL's options
+  ask for: ``config.trl_loss_reason``): ``_compute_loss`` takes the model's logits of the completion (in the
+  model's dtype, no fp32 ``[N, V]`` copy) and runs ``fused_policy_loss`` on the trained tokens only;
+  ``fused_lm_head`` runs ``fused_linear_policy_loss`` on the backbone's last hidden states and the output layer
+  instead, so no logits exist. KL is TRL's k3 (clamped to [-10, 10] like OpenRLHF's, as our kernels do); the log
+  ratio is clamped to +-20 before ``exp``; a MoE model's router aux loss is added as TRL adds it. TRL's metrics
+  keep their names (``entropy``, ``kl``, ``clip_ratio/*``, ``entropy_coef``, ``aux_loss``). TRL's loss (every
+  other option, or ``fused_loss=False``): TRL's own ``_compute_loss``, with AR's weights and the Lopti phase
+  (``_trl_compute_loss``), untouched with both off.
 
 ``top_entropy_quantile`` (AR on, Lopti off) masks the surrogate only; the KL penalty stays on every token, as in
 TRL's loss.
 
-Refused at construction with one line (``config.refusals``): loss types that are not the clipped surrogate
-(cispo, sapo, vespo), sequence-level importance sampling, ``delta``, ``off_policy_mask_threshold``,
-``use_adaptive_entropy``, an entropy mask together with Lopti, a ``max_steps`` that cuts a round, multimodal
-models, and ``fused_lm_head`` on more than one process / with PEFT / with ``cast_lm_head_to_fp32``; ``lopti_eta``
-with ``lopti_quantile`` (``algo.lopti_settings``). A reward function that returns NaN or inf fails the generation
-in one line naming it (``reward_check``). With ``fused_loss=False`` and AR and Lopti off, this is TRL's trainer
-unchanged but for that check.
+Refused at construction with one line (``config.refusals``): an entropy mask together with Lopti, a
+``max_steps`` that cuts a round, AR or Lopti with a multimodal model, and ``fused_lm_head`` with an option that
+runs TRL's loss / on more than one process / with PEFT / with ``cast_lm_head_to_fp32``; ``lopti_eta`` with
+``lopti_quantile`` (``algo.lopti_settings``). A reward function that returns NaN or inf fails the generation in
+one line naming it (``reward_check``). On TRL's loss path with AR and Lopti off, this is TRL's trainer unchanged
+but for that check.
 """
 
 import os
