@@ -335,7 +335,7 @@ def test_kk_run_checkpoint_and_metrics(tmp_path, tok):
         (dict(fused_lm_head=True, fused_loss=False), "fused_lm_head=True needs fused_loss=True"),
         (dict(fused_lm_head=True, loss_type="cispo"), "fused_lm_head=True with loss_type='cispo'"),
         (dict(fused_lm_head=True, importance_sampling_level="sequence"), "fused_lm_head=True with importance_sampling"),
-        (dict(lopti_eta=0.5, top_entropy_quantile=0.2), "top_entropy_quantile < 1 with Lopti"),
+        (dict(lopti_eta=0.5, top_entropy_quantile=0.2), "top_entropy_quantile=0.2 with lopti_eta / lopti_quantile"),
         (dict(lopti_eta=0.5, gradient_accumulation_steps=4), "gradient_accumulation_steps"),
         (dict(fused_lm_head=True, cast_lm_head_to_fp32=True), "cast_lm_head_to_fp32"),
     ],

@@ -155,7 +155,10 @@ def refusals(args: LoptiGRPOConfig, num_processes: int = 1, peft: bool = False, 
             "are computed from text tokens only here"
         )
     if args.top_entropy_quantile < 1.0 and args.lopti:
-        out.append("top_entropy_quantile < 1 with Lopti: two token selections on top of each other; use one")
+        out.append(
+            f"top_entropy_quantile={args.top_entropy_quantile} with lopti_eta / lopti_quantile: two token selections "
+            "on top of each other (Lopti's phases and TRL's entropy mask); use one"
+        )
     if args.lopti and (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps:
         out.append(
             f"Lopti needs steps_per_generation x num_iterations ({args.steps_per_generation} x {args.num_iterations})"
