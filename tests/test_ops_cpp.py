@@ -511,8 +511,8 @@ def test_cpp_policy_loss_defaults_are_the_textbook_loss():
     # T = 1, no entropy. Checked against the loss written out in the test with those values.
     d = make_inputs(Case(n=32, v=80, old_spread=1.0, seed=41))
     logits = d["logits"].clone().requires_grad_(True)
-    out, bad_rows = cpp_module.cpp_policy_loss(logits, d["labels"], d["old_log_probs"], d["advantages"], d["mask"])
-    assert out.entropy is None and not bad_rows.any()
+    out = cpp_module.cpp_policy_loss(logits, d["labels"], d["old_log_probs"], d["advantages"], d["mask"])
+    assert out.entropy is None and not out.status.rows.any() and out.backend == "cpp"
     opts = dict(alpha=0.0, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3",
                 temperature=1.0)  # fmt: skip
     want_logits = d["logits"].double().requires_grad_(True)
