@@ -107,7 +107,7 @@ def test_features_off_is_trls_trainer(tmp_path, tok, options, capsys):
 
 
 @pytest.mark.parametrize("options", TRL_LOSS_OPTIONS.values(), ids=TRL_LOSS_OPTIONS.keys())
-def test_ar_lopti_on_trls_loss(tmp_path, tok, options, capsys):
+def test_ar_lopti_on_trls_loss(tmp_path, tok, options, capsys, monkeypatch):
     cfg = LoptiGRPOConfig(**settings(tmp_path, **options, **AR_LOPTI))
     initial, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok)
     line = capsys.readouterr().out
@@ -135,19 +135,13 @@ def test_ar_lopti_on_trls_loss(tmp_path, tok, options, capsys):
     torch.testing.assert_close(ours[phase], theirs[phase], rtol=1e-5, atol=1e-6 * float(scale))
     assert torch.equal(ours[~phase], torch.zeros_like(ours[~phase]))
     assert (no_ar[phase] - theirs[phase]).abs().max() > 1e-3 * scale  # AR's weights changed the gradient
-    if "delta" in options or "off_policy_mask_threshold" in options:  # the option acts on this batch
-        off = dict(delta=None) if "delta" in options else dict(off_policy_mask_threshold=None)
-        saved = {name: getattr(trainer.args, name) for name in off}
-        for name, value in off.items():
-            setattr(trainer.args, name, value)
-        trainer.off_policy_mask_threshold = trainer.args.off_policy_mask_threshold  # TRL reads it from the trainer
-        try:
+    # delta and the off-policy mask act on this batch: without them TRL's gradient is another (TRL reads delta from
+    # its args, the mask's threshold from the trainer)
+    for option, owner in (("delta", trainer.args), ("off_policy_mask_threshold", trainer)):
+        if option in options:
+            monkeypatch.setattr(owner, option, None)
             without = completion_grads(trainer, plain, trl_loss)
-        finally:
-            for name, value in saved.items():
-                setattr(trainer.args, name, value)
-            trainer.off_policy_mask_threshold = trainer.args.off_policy_mask_threshold
-        assert (without[phase] - theirs[phase]).abs().max() > 1e-3 * scale
+            assert (without[phase] - theirs[phase]).abs().max() > 1e-3 * scale
 
 
 def test_trl_loss_trains_the_fused_round(tmp_path, tok):
@@ -251,7 +245,8 @@ def test_moe_router_aux_loss(tmp_path, tok, build, options):
     # the comparison sees the aux loss: the same round without it is another update
     no_aux64 = hand_round(tok, initial, recorded, cfg, torch.float64, build=build)
     errors = update_errors(p0, trained_params(trainer), ref32, ref64)
-    assert any(bad[0] > right[2] for bad, right in zip(update_errors(p0, trained_params(trainer), ref32, no_aux64), errors))
+    bad_errors = update_errors(p0, trained_params(trainer), ref32, no_aux64)
+    assert any(bad[0] > right[2] for bad, right in zip(bad_errors, errors))
 
 
 def test_args_none_is_trls_default(tmp_path, tok, monkeypatch):

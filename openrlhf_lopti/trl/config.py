@@ -53,7 +53,7 @@ class LoptiGRPOConfig(GRPOConfig):
         default=None, metadata={"help": "Threshold = this quantile of the batch's token probabilities."}
     )
     fused_loss: bool = field(
-        default=True, metadata={"help": "Per-token loss through fused_policy_loss where it computes the requested loss."}
+        default=True, metadata={"help": "Loss through fused_policy_loss where it computes the requested loss."}
     )
     fused_lm_head: bool = field(default=False, metadata={"help": "Loss through fused_linear_policy_loss."})
     loss_backend: str = field(default="auto", metadata={"help": "Kernel backend: auto, triton, cpp or torch."})

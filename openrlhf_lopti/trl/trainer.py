@@ -118,6 +118,8 @@ class LoptiGRPOTrainer(GRPOTrainer):
             line, naming the options).
     """
 
+    _phase_grad_mask: Optional[torch.Tensor] = None  # [B, T] bool while TRL's loss runs in a Lopti phase
+
     def __init__(self, *args_, args: Optional[LoptiGRPOConfig] = None, **kwargs):
         if args is None:  # TRL's default configuration, under TRL's default name
             model = args_[0] if args_ else kwargs.get("model")
@@ -141,7 +143,6 @@ class LoptiGRPOTrainer(GRPOTrainer):
         # the loss path, decided once: the fused kernel where it computes exactly TRL's loss, else TRL's own loss
         reason = trl_loss_reason(args, multimodal)
         self.loss_path = "fused" if reason is None else "trl"
-        self._phase_grad_mask = None  # [B, T] bool while TRL's loss runs in a Lopti phase (_trl_compute_loss)
         if self.accelerator.is_main_process:
             print(f"[openrlhf-lopti] TRL loss path: {self._loss_path_line(reason)}", flush=True)
         if args.fused_loss and args.fused_lm_head:
@@ -514,7 +515,8 @@ class LoptiGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["clip_ratio/region_mean"].append(global_mean((low | high).float()))
 
         def seq_mean(flags: torch.Tensor) -> torch.Tensor:  # [N] on rows -> [B], NaN for a sequence without rows
-            return rows.new_zeros(rows.shape, dtype=torch.float32).masked_scatter(rows, flags.float()).sum(-1) / rows.sum(-1)
+            per_token = rows.new_zeros(rows.shape, dtype=torch.float32).masked_scatter(rows, flags.float())
+            return per_token.sum(-1) / rows.sum(-1)
 
         self._metrics[mode]["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(seq_mean(low))).item())
         self._metrics[mode]["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(seq_mean(high))).item())
