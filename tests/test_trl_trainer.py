@@ -410,3 +410,27 @@ def test_same_update_as_local_trainer(tmp_path, tok):
     for name, params in (("TRL", trained_params(trainer)), ("local", local_params)):
         for i, (err, err_ref, allowed) in enumerate(update_errors(p0, params, ref32, ref64)):
             assert err <= allowed, f"{name} param {i}: update off by {err:.3g} (hand fp32 {err_ref:.3g})"
+
+
+def test_a_bad_value_raises_before_the_optimizer_step_naming_where(tmp_path, tok, capsys):
+    """The fused loss's value checks are read before each optimizer step (a pre-hook on the optimizer), not in the
+    call: a non-finite advantage planted in the first micro-step raises at the first step, naming the optimizer
+    step, the Lopti phase, the micro-step and the row; no weight has moved. The backend that ran is printed once."""
+
+    class Poisoned(LoptiGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            advantages = inputs["advantages"].clone()
+            advantages[0] = float("nan")  # the first completion's advantage
+            return super()._compute_loss(model, dict(inputs, advantages=advantages))
+
+    config = LoptiGRPOConfig(**settings(tmp_path, ar_alpha=0.3, lopti_eta=0.5, max_steps=2))
+    trainer = Poisoned(model=tiny_model(tok), reward_funcs=[distinct_words], args=config, train_dataset=kk_dataset(),
+                       processing_class=tok)  # fmt: skip
+    initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^advantages must be finite .* \(row \d+ at optimizer step 1, Lopti phase "
+                                         r"'low', micro-step 1\)$"):  # fmt: skip
+        trainer.train()
+    assert all(torch.equal(v, initial[k]) for k, v in trainer.model.state_dict().items())
+    printed = [line for line in capsys.readouterr().out.splitlines() if "fused loss ran on the" in line]
+    assert printed == ["[openrlhf-lopti] TRL fused loss ran on the torch backend; value checks are read before each "
+                       "optimizer step"]  # fmt: skip

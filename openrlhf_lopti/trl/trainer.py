@@ -96,7 +96,7 @@ from openrlhf_lopti.algo import (
     sum_direction_counts,
 )
 from openrlhf_lopti.models import lm_head_parts
-from openrlhf_lopti.ops import LossOptions, fused_linear_policy_loss, fused_policy_loss
+from openrlhf_lopti.ops import LossOptions, StepChecks, fused_linear_policy_loss, fused_policy_loss
 
 from .config import LoptiGRPOConfig, optimizer_steps_per_round, refusals, trl_loss_reason
 from .cpu_colocate import colocated_engine, repack_after_every_sync, vllm_on_cpu
@@ -119,6 +119,8 @@ class LoptiGRPOTrainer(GRPOTrainer):
     """
 
     _phase_grad_mask: Optional[torch.Tensor] = None  # [B, T] bool while TRL's loss runs in a Lopti phase
+    _value_checks: Optional[StepChecks] = None  # the fused loss's value checks, read before each optimizer step
+    _print_backend = False
 
     def __init__(self, *args_, args: Optional[LoptiGRPOConfig] = None, **kwargs):
         if args is None:  # TRL's default configuration, under TRL's default name
@@ -431,7 +433,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
         loss_options = LossOptions(
             alpha=self.args.ar_alpha, eps_low=self.epsilon_low, eps_high=self.epsilon_high,
             kl_coef=0.0 if separate_kl else self.beta, kl_estimator="k3", temperature=self.temperature,
-            backend=self.args.loss_backend,
+            backend=self.args.loss_backend, check="step" if mode == "train" else "eager",
         )  # fmt: skip
         options = dict(ref_log_probs=None if separate_kl else ref, return_entropy=True, options=loss_options)
         per_token = (labels, old[rows], advantages[rows], torch.ones_like(labels, dtype=torch.bool))
@@ -442,6 +444,12 @@ class LoptiGRPOTrainer(GRPOTrainer):
             out = fused_linear_policy_loss(source.to(weight.dtype), weight, *per_token, bias=bias, **options)
         else:
             out = fused_policy_loss(source, *per_token, **options)
+        if mode == "train":  # read before the optimizer step (_read_value_checks)
+            self._checks_before_the_step().add(out.status, self._micro_step_name(inputs))
+            if self._print_backend and self.accelerator.is_main_process:  # once per run: which kernel trains it
+                print(f"[openrlhf-lopti] TRL fused loss ran on the {out.backend} backend; value checks are read "
+                      "before each optimizer step", flush=True)  # fmt: skip
+            self._print_backend = False
 
         # TRL's order: the surrogate times the entropy mask, times the IS ratio, then + beta * KL over every token
         loss_rows = out.loss  # [N]: clipped surrogate (AR-weighted), + beta * KL when folded in
@@ -493,6 +501,38 @@ class LoptiGRPOTrainer(GRPOTrainer):
 
         self._log_loss_metrics(mode, inputs, out, rows, old, advantages, kl_rows, policy_loss)
         return loss
+
+    def _checks_before_the_step(self) -> StepChecks:
+        """The ledger of the fused loss's value checks, made at the first training call: a pre-hook on the optimizer
+        reads it before every real step (TRL's accumulation windows included), on every process together, and the
+        backend that ran is printed once."""
+        if self._value_checks is None:
+            self._value_checks = StepChecks()
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper: the torch one
+            optimizer.register_step_pre_hook(lambda *_: self._read_value_checks())
+            self._print_backend = True
+        return self._value_checks
+
+    def _read_value_checks(self) -> None:
+        """Raise, before the optimizer step and on every process, if a fused call since the last step found a bad
+        row (a NaN / +inf logit, a non-finite advantage or log-prob): one 4-byte read and, on several processes,
+        one all-reduce per optimizer step."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+
+        def any_rank(word: torch.Tensor) -> torch.Tensor:
+            if distributed:
+                torch.distributed.all_reduce(word, op=torch.distributed.ReduceOp.MAX)
+            return word
+
+        self._value_checks.raise_if_bad(any_rank=any_rank)
+
+    def _micro_step_name(self, inputs: dict) -> str:
+        """Where a fused call is, for an error message: the optimizer step, the Lopti phase, the micro-step."""
+        phase = inputs.get("lopti_phase")
+        where = f"optimizer step {self.state.global_step + 1}"
+        if phase is not None:
+            where += f", Lopti phase '{PHASE_NAMES[self.args.lopti_order][phase]}'"
+        return f"{where}, micro-step {self._step % self.args.gradient_accumulation_steps + 1}"
 
     def _log_loss_metrics(self, mode, inputs, out, rows, old, advantages, kl_rows, policy_loss) -> None:
         """TRL's ``entropy``, ``kl`` and ``clip_ratio/*_mean`` over the trained tokens; per Lopti phase also
