@@ -71,6 +71,38 @@ ENV_PROGRAMS_PER_SM = "OPENRLHF_LOPTI_TRITON_PROGRAMS_PER_SM"
 
 
 @triton.jit
+def online_lse_step(z, m, s, t, WITH_ENTROPY: tl.constexpr):
+    """Fold one block of ``z / T`` (``[BLOCK_V]`` fp32, -inf on padding lanes) into a row's running max ``m``,
+    ``s = sum exp(z - m)`` and ``t = sum exp(z - m) * (z - m)`` (the entropy is ``log s - t / s``, shifted so large
+    logits lose no precision); returns the new ``(m, s, t)``. Written so that no NaN appears on legal input: ``m`` is
+    -inf (and ``s`` 0) before the first finite entry, so the shift is by 0 while every entry so far is -inf, and
+    ``e * (z - m_ref)`` is 0, not ``0 * -inf``, where ``z`` is -inf. A NaN or +inf makes ``s`` NaN (or ``m`` +inf)."""
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+    scale = tl.exp(m - m_ref)
+    e = tl.exp(z - m_ref)
+    if WITH_ENTROPY:
+        shift = tl.where(s > 0.0, m - m_ref, 0.0) * s
+        t = scale * (t + shift) + tl.sum(e * tl.where(e > 0.0, z - m_ref, 0.0), axis=0)
+    s = s * scale + tl.sum(e, axis=0)
+    return m_new, s, t
+
+
+@triton.jit
+def dlogits_block(z, cols, label, g, g_ent, row_max, log_sum, entropy, inv_temperature,
+                  WITH_ENTROPY_GRAD: tl.constexpr):  # fmt: skip
+    """The gradient w.r.t. one block of a row's logits (fp32), ``z`` being that block's ``z / T``:
+    ``(g * (onehot_j - p_j) - g_ent * p_j * (log p_j + H)) / T`` with ``p = exp(z - row_max - log_sum)``. A -inf logit
+    has ``p = 0`` and contributes 0, not ``0 * (log p = -inf)``."""
+    log_p = (z - row_max) - log_sum
+    p = tl.exp(log_p)
+    d = tl.where(cols == label, g, 0.0) - g * p
+    if WITH_ENTROPY_GRAD:
+        d = d - g_ent * p * tl.where(p > 0.0, log_p + entropy, 0.0)
+    return d * inv_temperature
+
+
+@triton.jit
 def _policy_loss_fwd_kernel(
     logits_ptr,
     stride_row,
@@ -124,21 +156,8 @@ def _policy_loss_fwd_kernel(
             t = 0.0
             for start in range(0, n_cols, BLOCK_V):
                 cols = start + offsets
-                valid = cols < n_cols
-                z = tl.load(row_ptr + cols, mask=valid, other=-float("inf")).to(tl.float32) * inv_temperature
-                m_new = tl.maximum(m, tl.max(z, axis=0))
-                # Shift by 0 while every entry so far is -inf (padding, or -inf logits), so that no
-                # exp(-inf - -inf) = NaN appears: those entries add exp(-inf) = 0.
-                m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
-                scale = tl.exp(m - m_ref)
-                e = tl.exp(z - m_ref)
-                if WITH_ENTROPY or WITH_ENTROPY_WEIGHT:
-                    # Written so that no NaN appears: m is -inf (and s 0) before the first finite entry, and
-                    # e * (z - m_ref) is 0, not 0 * -inf, where z = -inf (a -inf logit or a padding lane).
-                    shift = tl.where(s > 0.0, m - m_ref, 0.0) * s
-                    t = scale * (t + shift) + tl.sum(e * tl.where(e > 0.0, z - m_ref, 0.0), axis=0)
-                s = s * scale + tl.sum(e, axis=0)
-                m = m_new
+                z = tl.load(row_ptr + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32) * inv_temperature
+                m, s, t = online_lse_step(z, m, s, t, WITH_ENTROPY or WITH_ENTROPY_WEIGHT)
             log_s = tl.log(s)
             entropy = log_s - t / s
 
@@ -216,6 +235,7 @@ def _policy_loss_fwd_kernel(
                 # The row's gradient now, swept from its last block back (the blocks just read are the likeliest
                 # still in cache): dlogits_j = (g * (onehot_j - p_j) - g_ent * p_j * (log p_j + H)) / T.
                 g = tl.load(loss_weight_ptr + row).to(tl.float32) * dloss_dlogp
+                g_ent = 0.0
                 if WITH_ENTROPY_WEIGHT:
                     g_ent = tl.load(entropy_weight_ptr + row).to(tl.float32) * poison
                 n_blocks = tl.cdiv(n_cols, BLOCK_V)
@@ -223,12 +243,8 @@ def _policy_loss_fwd_kernel(
                     cols = (n_blocks - 1 - i) * BLOCK_V + offsets
                     valid = cols < n_cols
                     z = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32) * inv_temperature
-                    log_p = (z - m) - log_s
-                    p = tl.exp(log_p)
-                    d = tl.where(cols == label, g, 0.0) - g * p
-                    if WITH_ENTROPY_WEIGHT:
-                        d = d - g_ent * p * tl.where(p > 0.0, log_p + entropy, 0.0)
-                    tl.store(grad_row + cols, (d * inv_temperature).to(grad_ptr.dtype.element_ty), mask=valid)
+                    d = dlogits_block(z, cols, label, g, g_ent, m, log_s, entropy, inv_temperature, WITH_ENTROPY_WEIGHT)
+                    tl.store(grad_row + cols, d.to(grad_ptr.dtype.element_ty), mask=valid)
         else:
             # Masked rows: never read; every output written here (the buffers come from torch.empty).
             tl.store(loss_ptr + row, 0.0)
@@ -288,6 +304,8 @@ def _policy_loss_bwd_kernel(
             if HAS_G_LOGP:
                 g = g + tl.load(g_logp_ptr + row * g_logp_stride).to(tl.float32)
             label = tl.load(labels_ptr + row).to(tl.int64)
+            g_ent = 0.0
+            entropy = 0.0
             if WITH_ENTROPY_GRAD:
                 g_ent = tl.load(g_entropy_ptr + row * g_entropy_stride).to(tl.float32)
                 entropy = tl.load(entropy_ptr + row)
@@ -295,13 +313,9 @@ def _policy_loss_bwd_kernel(
                 cols = start + offsets
                 valid = cols < n_cols
                 z = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32) * inv_temperature
-                log_p = (z - row_max) - log_sum
-                p = tl.exp(log_p)
-                d = tl.where(cols == label, g, 0.0) - g * p
-                if WITH_ENTROPY_GRAD:
-                    # p = 0 (a -inf logit) contributes 0, not 0 * (log_p = -inf)
-                    d = d - g_ent * p * tl.where(p > 0.0, log_p + entropy, 0.0)
-                tl.store(grad_row + cols, (d * inv_temperature).to(grad_ptr.dtype.element_ty), mask=valid)
+                d = dlogits_block(z, cols, label, g, g_ent, row_max, log_sum, entropy, inv_temperature,
+                                  WITH_ENTROPY_GRAD)  # fmt: skip
+                tl.store(grad_row + cols, d.to(grad_ptr.dtype.element_ty), mask=valid)
         else:
             # The gradient buffer comes from torch.empty: masked rows get explicit zeros, reads skipped.
             for start in range(0, n_cols, BLOCK_V):

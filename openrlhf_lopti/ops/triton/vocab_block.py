@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .policy_loss import _launch_config
+from .policy_loss import _launch_config, dlogits_block, online_lse_step
 
 
 @triton.jit
@@ -38,15 +38,7 @@ def _block_stats_kernel(
         for start in range(0, n_cols, BLOCK_V):
             cols = start + offsets
             z = tl.load(row_ptr + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32) * inv_temperature
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
-            scale = tl.exp(m - m_ref)
-            e = tl.exp(z - m_ref)
-            if WITH_ENTROPY:
-                shift = tl.where(s > 0.0, m - m_ref, 0.0) * s
-                t = scale * (t + shift) + tl.sum(e * tl.where(e > 0.0, z - m_ref, 0.0), axis=0)
-            s = s * scale + tl.sum(e, axis=0)
-            m = m_new
+            m, s, t = online_lse_step(z, m, s, t, WITH_ENTROPY)
         tl.store(m_ptr + row, m)
         tl.store(s_ptr + row, s)
         tl.store(t_ptr + row, t)
@@ -80,6 +72,8 @@ def _block_grad_kernel(
         log_sum = tl.load(log_sum_ptr + row)
         g = tl.load(g_ptr + row)
         local = tl.load(labels_ptr + row).to(tl.int64) - col0
+        g_ent = 0.0
+        entropy = 0.0
         if WITH_ENTROPY_GRAD:
             g_ent = tl.load(g_entropy_ptr + row)
             entropy = tl.load(entropy_ptr + row)
@@ -87,12 +81,8 @@ def _block_grad_kernel(
             cols = start + offsets
             valid = cols < n_cols
             z = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32) * inv_temperature
-            log_p = (z - row_max) - log_sum
-            p = tl.exp(log_p)
-            d = tl.where(cols == local, g, 0.0) - g * p
-            if WITH_ENTROPY_GRAD:
-                d = d - g_ent * p * tl.where(p > 0.0, log_p + entropy, 0.0)
-            tl.store(row_ptr + cols, (d * inv_temperature).to(z_ptr.dtype.element_ty), mask=valid)
+            d = dlogits_block(z, cols, local, g, g_ent, row_max, log_sum, entropy, inv_temperature, WITH_ENTROPY_GRAD)
+            tl.store(row_ptr + cols, d.to(z_ptr.dtype.element_ty), mask=valid)
 
 
 def update_block_stats(
