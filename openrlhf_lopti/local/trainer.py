@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -194,8 +193,8 @@ class LocalTrainer:
         t2 = time.perf_counter()
         backend = update.pop("loss_backend")
         if backend is not None and not self._backend_printed:  # once per run: which kernel trained it
-            print(f"[openrlhf-lopti] local trainer: loss head on the {backend} backend ({cfg.loss_backend} asked)",
-                  file=sys.stderr)  # fmt: skip
+            # stdout: stderr is where a failing run's one-line error goes
+            print(f"[openrlhf-lopti] local trainer: loss head on the {backend} backend ({cfg.loss_backend} asked)")
             self._backend_printed = True
 
         mask = exp.rollout.action_mask
