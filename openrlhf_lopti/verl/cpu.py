@@ -3,8 +3,9 @@ its actor on a machine without a GPU, for rehearsals and tests. Nothing of verl 
 where it has them, and a few patches where it hard-codes CUDA, each naming the verl 0.9.1 line it answers.
 
 Selected by ``VERL_PLATFORM=cpu`` (verl's own platform switch) in every process that imports ``openrlhf_lopti.verl``
-(``VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl`` makes verl import it in every process: the driver, the Ray
-workers, vLLM's worker processes), or by :func:`use_cpu` in the calling process. Importing this module only
+(verl loads our plugin, :mod:`.plugin`, in every process that imports verl: the driver, the Ray workers, vLLM's
+worker processes; ``VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl.cpu`` loads this seam alone), or by :func:`use_cpu`
+in the calling process. Importing this module only
 registers the platform (unselected); :func:`use_cpu` does the rest:
 
 - :class:`PlatformCPU` in verl's ``PlatformRegistry`` as ``"cpu"``: device ``cpu``, gloo collectives, no memory

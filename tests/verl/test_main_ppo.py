@@ -2,20 +2,27 @@
 ``python -m verl.trainer.main_ppo`` (Ray, FSDP2 actor and reference on gloo, vLLM's CPU build as the rollout
 server, weight sync), 2 RL steps of 2 K&K prompts x 4 responses of at most 32 tokens on a tiny model.
 
-Three runs, each once per module and read by several tests: GRPO and AR+Lopti under verl's default trainer
-(``trainer.use_v1=true``: nested per-response fields in TransferQueue), AR+Lopti under the legacy one
-(``use_v1=false``: padded batches). Everything is read off the run's console log (verl's ``console`` logger: one
-``step:N - key:value - ...`` line per step) and the HF model verl saves after step 2.
+Four runs, each once per module and read by several tests, none with ``VERL_USE_EXTERNAL_MODULES`` (our package is
+a verl plugin: verl loads it in every process): GRPO and AR+Lopti under verl's default trainer (``trainer.use_v1=true``:
+nested per-response fields in TransferQueue), AR+Lopti under the legacy one (``use_v1=false``: padded batches), run
+by hand (``VERL_PLATFORM=cpu python -m verl.trainer.main_ppo <the script's DRY_RUN overrides>``), and the same GRPO run
+with verl's plugins off (``VERL_USE_EXTERNAL_PLUGINS=none``; only the CPU seam loaded, ``VERL_USE_EXTERNAL_MODULES=
+openrlhf_lopti.verl.cpu``), which must train bit for bit as the GRPO run with our plugin loaded. Everything is read
+off the run's console log (verl's ``console`` logger: one ``step:N - key:value - ...`` line per step) and the HF
+model verl saves after step 2.
 
 Time: each run is mostly start-up (Ray, vLLM's engine, two FSDP2 engines): 1.7-3.7 minutes measured on the 2-core
 machine beside other work. A planted bad key must fail in seconds, before Ray starts, with one line; an error in a Ray
 worker must end the run with its line, not hang.
 """
 
+import math
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +37,14 @@ ACTOR = "actor_rollout_ref.actor"
 # phase would be empty (a user's eta reaching the round unchanged: test_config.py, test_worker.py)
 QUANTILE_INSTEAD_OF_ETA = (f"++{ACTOR}.policy_loss.lopti_eta=null", f"++{ACTOR}.policy_loss.lopti_quantile=0.5")
 REWARD = Path(__file__).resolve().parent / "varied_reward.py"  # non-zero advantages on a tiny random model
+# verl's variables that load plugins: unset unless a run sets them (our plugin must load without them)
+PLUGIN_VARIABLES = ("VERL_USE_EXTERNAL_MODULES", "VERL_USE_EXTERNAL_PLUGINS", "VERL_PLATFORM")
+# Two runs sample the same responses only with verl's seeded rollout (vLLM's per-request seed, the same for every
+# request, rollout/vllm_async_server.py:625-627): then the responses to one prompt are all the same, so one response
+# per prompt (GRPO's advantage of a one-response group is its reward, core_algos.py:315-317; it trains).
+DETERMINISTIC_ROLLOUT = ("actor_rollout_ref.rollout.full_determinism=true", "actor_rollout_ref.rollout.n=1")
+# metrics that measure time, not training: they differ between any two runs
+WALL_CLOCK_METRICS = ("timing_s/", "timing_per_token_ms/", "perf/")
 RUN_TIMEOUT = 1500  # s; a run takes 3-4 minutes idle, ~6 under load: 4x slack before calling it a hang
 
 
@@ -46,11 +61,31 @@ def inputs(tmp_path_factory):
     return root
 
 
-def launch(inputs, method: str, *overrides: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CPU="1", PYTHON=sys.executable, MODEL=str(inputs / "tiny"), DATA=str(inputs / "kk"),
-               METHOD=method)  # fmt: skip
-    return subprocess.run(["bash", str(SCRIPT), *overrides], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=str(inputs))  # fmt: skip
+def environment(inputs, method: str, **extra: str) -> dict:
+    """The script's environment: no verl plugin variable but those in ``extra`` (the plugin loads by itself)."""
+    env = {k: v for k, v in os.environ.items() if k not in PLUGIN_VARIABLES}
+    return dict(env, CPU="1", PYTHON=sys.executable, MODEL=str(inputs / "tiny"), DATA=str(inputs / "kk"),
+                METHOD=method, **extra)  # fmt: skip
+
+
+def launch(inputs, method: str, *overrides: str, timeout: float = RUN_TIMEOUT, by_hand: bool = False,
+           **env: str) -> subprocess.CompletedProcess:
+    """``CPU=1 bash <the script> <overrides>``, or with ``by_hand`` what a user types instead: ``VERL_PLATFORM=cpu
+    python -m verl.trainer.main_ppo`` with the script's ``DRY_RUN=1`` overrides (and a private Ray temp dir)."""
+    env = environment(inputs, method, **env)
+    command = ["bash", str(SCRIPT), *overrides]
+    if by_hand:
+        printed = subprocess.run(command, env=dict(env, DRY_RUN="1"), capture_output=True, text=True, check=True)
+        ray_tmp = tempfile.mkdtemp(prefix="verl-ray-", dir="/tmp")  # short: Ray's socket paths < 108 characters
+        command = [sys.executable, "-m", "verl.trainer.main_ppo", *printed.stdout.splitlines(),
+                   f"++ray_kwargs.ray_init._temp_dir={ray_tmp}"]  # fmt: skip
+        env = {k: v for k, v in env.items() if k not in ("CPU", "PYTHON", "MODEL", "DATA", "METHOD")}
+        env["VERL_PLATFORM"] = "cpu"
+    try:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(inputs))
+    finally:
+        if by_hand:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def step_metrics(log: str) -> dict:
@@ -69,12 +104,12 @@ def step_metrics(log: str) -> dict:
     return steps
 
 
-def run(inputs, tmp_path_factory, method: str, *overrides: str) -> dict:
+def run(inputs, tmp_path_factory, method: str, *overrides: str, by_hand: bool = False, **env: str) -> dict:
     """One run: its exit code, log, per-step metrics and checkpoint folder (the HF model after step 2)."""
     out = tmp_path_factory.mktemp(f"run-{method.replace('+', '-')}")
     proc = launch(inputs, method, f"trainer.default_local_dir={out}", "trainer.save_freq=2",
                   f"{ACTOR}.checkpoint.save_contents=[hf_model]", f"reward.custom_reward_function.path={REWARD}",
-                  *overrides)  # fmt: skip
+                  *overrides, by_hand=by_hand, **env)  # fmt: skip
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"main_ppo exited {proc.returncode}: {first_errors(log)}\n{log[-3000:]}"
     return {"log": log, "steps": step_metrics(log), "out": out}
@@ -82,7 +117,14 @@ def run(inputs, tmp_path_factory, method: str, *overrides: str) -> dict:
 
 @pytest.fixture(scope="module")
 def grpo_v1(inputs, tmp_path_factory):
-    return run(inputs, tmp_path_factory, "grpo")
+    return run(inputs, tmp_path_factory, "grpo", *DETERMINISTIC_ROLLOUT)
+
+
+@pytest.fixture(scope="module")
+def grpo_v1_without_plugins(inputs, tmp_path_factory):
+    """The GRPO run with verl's plugins off: verl without our package, but for the CPU seam it needs here."""
+    return run(inputs, tmp_path_factory, "grpo", *DETERMINISTIC_ROLLOUT, VERL_USE_EXTERNAL_PLUGINS="none",
+               VERL_USE_EXTERNAL_MODULES="openrlhf_lopti.verl.cpu")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -92,19 +134,27 @@ def ar_lopti_v1(inputs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ar_lopti_v0(inputs, tmp_path_factory):
-    return run(inputs, tmp_path_factory, "ar+lopti", *QUANTILE_INSTEAD_OF_ETA, "trainer.use_v1=false")
+    return run(inputs, tmp_path_factory, "ar+lopti", *QUANTILE_INSTEAD_OF_ETA, "trainer.use_v1=false", by_hand=True)
+
+
+def saved_model(result) -> dict:
+    """The HF model verl saved after step 2: ``{name: tensor}``."""
+    from safetensors.torch import load_file
+
+    saved = list(Path(result["out"]).glob("global_step_2/actor/huggingface/*.safetensors"))
+    assert saved, f"no HF model saved under {result['out']}"
+    after = {}
+    for path in saved:
+        after.update(load_file(str(path)))
+    return after
 
 
 def saved_minus_initial(result, inputs) -> float:
     """The largest change of any parameter between the tiny model and the HF model verl saved after step 2."""
     from safetensors.torch import load_file
 
-    saved = list(Path(result["out"]).glob("global_step_2/actor/huggingface/*.safetensors"))
-    assert saved, f"no HF model saved under {result['out']}"
     before = load_file(str(inputs / "tiny" / "model.safetensors"))
-    after = {}
-    for path in saved:
-        after.update(load_file(str(path)))
+    after = saved_model(result)
     common = set(before) & set(after)
     assert common, f"no parameter in common: {sorted(before)[:3]} vs {sorted(after)[:3]}"
     return max(float((after[k].float() - before[k].float()).abs().max()) for k in common)
@@ -136,6 +186,22 @@ def check_ar_lopti(result) -> None:
 def test_grpo_under_the_default_trainer(grpo_v1, inputs):
     check_trained(grpo_v1, inputs)
     assert not any(key.startswith("actor/lopti/") for key in grpo_v1["steps"][1])
+
+
+def test_our_plugin_leaves_a_run_without_our_keys_as_verl_trains_it(grpo_v1, grpo_v1_without_plugins):
+    """Loaded into every process of a GRPO run that never heard of AR, our plugin changes nothing: the same metrics
+    at every step and the same saved parameters, bit for bit, as with verl's plugins off."""
+    on, off = grpo_v1["steps"], grpo_v1_without_plugins["steps"]
+    assert sorted(on) == sorted(off) == [1, 2], (sorted(on), sorted(off))
+    for step in on:
+        keys = {k for k in set(on[step]) | set(off[step]) if not k.startswith(WALL_CLOCK_METRICS)}
+        assert {k for k in keys if k not in on[step] or k not in off[step]} == set(), step
+        differ = {k: (on[step][k], off[step][k]) for k in keys if on[step][k] != off[step][k]
+                  and not (math.isnan(on[step][k]) and math.isnan(off[step][k]))}  # fmt: skip
+        assert not differ, (step, differ)
+    with_plugin, without = saved_model(grpo_v1), saved_model(grpo_v1_without_plugins)
+    assert sorted(with_plugin) == sorted(without)
+    assert all(torch.equal(with_plugin[k], without[k]) for k in with_plugin)
 
 
 def test_ar_and_lopti_under_the_default_trainer(ar_lopti_v1, inputs):
