@@ -120,7 +120,8 @@ def environment_with_only_torch(root: Path, also: tuple = ()) -> Path:
     return env / "bin" / "python"
 
 
-CPU_RESOLVED = [key for key in sorted(BLOCKS) if key[1] == "CPU" and key[0].split(" (")[0] in ("local trainer, demo, audit", "TRL", "verl")]
+CPU_RESOLVED = [key for key in sorted(BLOCKS)
+                if key[1] == "CPU" and key[0].split(" (")[0] in ("local trainer, demo, audit", "TRL", "verl")]
 BUILD_TOOLS = ("pip", "setuptools", "wheel")
 
 

@@ -95,7 +95,8 @@ if [ -n "$CPU" ]; then
     TEMP_DIR=(--temp-dir "$RAY_TMP")
   fi
   # main_ppo's CPU overrides (openrlhf_lopti/verl/cpu_overrides.py, run by path: it imports nothing of verl)
-  OVERRIDES=$("$PYTHON" -c 'import os, openrlhf_lopti; print(os.path.join(os.path.dirname(openrlhf_lopti.__file__), "verl", "cpu_overrides.py"))')
+  OVERRIDES=$("$PYTHON" -c 'import os, openrlhf_lopti as p; print(os.path.join(os.path.dirname(p.__file__), "verl"))')
+  OVERRIDES=$OVERRIDES/cpu_overrides.py
   mapfile -t CPU_ARGS < <("$PYTHON" "$OVERRIDES" --ngpus "$NGPUS" "${TEMP_DIR[@]}")
   [ "${#CPU_ARGS[@]}" -gt 0 ] || { echo "CPU=1: cpu_overrides.py printed no overrides (NGPUS=$NGPUS)" >&2; exit 2; }
   ARGS+=(

@@ -100,7 +100,8 @@ def check_plugin(what: str) -> None:
         raise ConfigError(
             f"{what} needs openrlhf_lopti's verl plugin, not loaded in this process: verl loads it from the installed "
             "package (entry point 'openrlhf_lopti' of the group verl.plugins) unless VERL_USE_EXTERNAL_PLUGINS leaves "
-            "it out; with the package in a Ray job's py_modules, set VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl.plugin"
+            "it out; with the package in a Ray job's py_modules, set "
+            "VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl.plugin"
         )
     reason = plugin.unavailable(what)
     if reason:

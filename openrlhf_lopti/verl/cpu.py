@@ -5,8 +5,8 @@ where it has them, and a few patches where it hard-codes CUDA, each naming the v
 Selected by ``VERL_PLATFORM=cpu`` (verl's own platform switch) in every process that imports ``openrlhf_lopti.verl``
 (verl loads our plugin, :mod:`.plugin`, in every process that imports verl: the driver, the Ray workers, vLLM's
 worker processes; ``VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl.cpu`` loads this seam alone), or by :func:`use_cpu`
-in the calling process. Importing this module only
-registers the platform (unselected); :func:`use_cpu` does the rest:
+in the calling process. Importing this module only registers the platform (unselected); :func:`use_cpu` does the
+rest:
 
 - :class:`PlatformCPU` in verl's ``PlatformRegistry`` as ``"cpu"``: device ``cpu``, gloo collectives, no memory
   statistics (0), Ray resource ``"GPU"`` (Ray's logical GPUs, ``ray_init.num_gpus``: the resource pools give each

@@ -3,7 +3,8 @@
 verl 0.9.1 loads every installed ``verl.plugins`` entry point at the end of ``import verl``, in every process that
 imports verl (``verl/__init__.py``; ``VERL_USE_EXTERNAL_PLUGINS``: ``auto``, the default, ``none``, or names): the
 driver and every Ray worker, on every node. So installing this package is enough for ``loss_mode=ar`` and our keys.
-Code shipped with a Ray job's ``py_modules`` has no entry points: ``VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl.plugin``.
+Code shipped with a Ray job's ``py_modules`` has no entry points:
+``VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl.plugin`` loads the same module.
 
 It loads into every verl process of the environment, runs that never use AR or Lopti included, so it imports
 nothing of verl itself: each registration waits until verl imports the module it extends, and runs right after that

@@ -122,8 +122,8 @@ def test_our_keys_without_the_plugin_in_this_process_are_refused_in_one_line(mon
 
     LoptiPolicyLossConfig(loss_mode="ar", ar_alpha=0.3)  # loaded in this process: verl loaded it
     monkeypatch.delitem(sys.modules, "openrlhf_lopti.verl.plugin")
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.actor\.policy_loss\.loss_mode=ar needs openrlhf_lopti's "
-                       r"verl plugin, not loaded in this process: .*VERL_USE_EXTERNAL_MODULES=openrlhf_lopti\.verl\."
-                       r"plugin$"):  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.actor\.policy_loss\.loss_mode=ar needs "
+                       r"openrlhf_lopti's verl plugin, not loaded in this process: .*"
+                       r"VERL_USE_EXTERNAL_MODULES=openrlhf_lopti\.verl\.plugin$"):  # fmt: skip
         LoptiPolicyLossConfig(loss_mode="ar", ar_alpha=0.3)
     LoptiPolicyLossConfig(loss_mode="vanilla")  # our target without AR or Lopti: verl's loss, nothing to check
