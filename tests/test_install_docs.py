@@ -142,7 +142,9 @@ def test_the_cpu_block_resolves_without_another_torch_or_cuda(key, tmp_path):
         run = subprocess.run(command, cwd=source, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, f"{' '.join(args)}:\n{run.stderr[-3000:]}"
         names = sorted(item["metadata"]["name"] for item in json.loads(report.read_text())["install"])
-        assert not [n for n in names if NOT_ON_CPU.fullmatch(canonicalize_name(n))], names
+        # vLLM's CPU build requires xgrammar, which requires triton on Linux x86-64 (as in make install's .venv)
+        allowed = {"triton"} if "requirements/verl.txt" in args else set()
+        assert not [n for n in names if NOT_ON_CPU.fullmatch(canonicalize_name(n)) and n not in allowed], names
         wanted = {"openrlhf-lopti"} if "." in args or "-e" in args else set()  # the package, or what the step names
         wanted |= {canonicalize_name(a.split("==")[0]) for a in args if "==" in a and not a.startswith("-")}
         wanted |= {"trl"} if "[trl]" in " ".join(args) else set()
