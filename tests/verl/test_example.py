@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ..doc_blocks import fenced_lines
 from . import harness
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "verl" / "train_kk_grpo_ar_lopti.sh"
@@ -60,19 +61,7 @@ def main_ppo_commands() -> list:
     launch script replaced by its ``DRY_RUN=1`` output."""
     found = []
     for doc in DOCS:
-        inside, pending, start = False, "", 0
-        for number, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), start=1):
-            if line.lstrip().startswith("```"):
-                inside, pending = not inside, ""
-                continue
-            if not inside:
-                continue
-            start = start if pending else number
-            pending += line.rstrip()
-            if pending.endswith("\\"):
-                pending = pending[:-1] + " "
-                continue
-            logical, pending = pending, ""
+        for start, logical in fenced_lines(doc.read_text(encoding="utf-8")):
             if "verl.trainer.main_ppo" not in logical:
                 continue
             for inner in SCRIPT_OUTPUT.findall(logical):
@@ -83,7 +72,7 @@ def main_ppo_commands() -> list:
             while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
                 words = words[1:]
             assert words[1:3] == ["-m", "verl.trainer.main_ppo"], words[:3]
-            found.append((f"{doc.relative_to(ROOT)}:{start}", [w for w in words[3:] if w != "..."]))
+            found.append((f"{doc.relative_to(ROOT)}:{start}", words[3:]))
     return found
 
 
@@ -96,14 +85,20 @@ def test_the_docs_show_main_ppo():
 
 @pytest.mark.parametrize("where, overrides", COMMANDS, ids=[where for where, _ in COMMANDS])
 def test_each_main_ppo_command_of_the_docs_builds_verls_config(where, overrides):
-    """Composed by hydra as main_ppo composes it; the actor config (with our keys) and the reward built by verl."""
+    """Composed by hydra as main_ppo composes it; the policy-loss config with our keys (a whole command: the actor
+    config, through main_ppo's validate_config) and the reward, built by verl."""
     from verl.trainer.ppo.reward import get_custom_reward_fn
-    from verl.utils.config import omega_conf_to_dataclass
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
 
     from openrlhf_lopti.verl.config import round_settings
 
-    cfg = harness.compose(overrides)
-    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    cfg = harness.compose([w for w in overrides if w != "..."])
+    if "..." in overrides:  # the user's own settings left out: verl's defaults do not make a valid actor by themselves
+        actor = {"policy_loss": omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.policy_loss)}
+    else:
+        validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+        actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     lopti, alpha = round_settings(actor)
     assert alpha > 0 or lopti is not None, f"{where}: neither AR nor Lopti"
     if cfg.reward.custom_reward_function.path:
