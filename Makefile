@@ -45,7 +45,7 @@ demo: install
 ALT_DISPATCH := ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OPENRLHF_LOPTI_CPU_ISA=avx2
 NUMERICS_TESTS := tests/test_ops_cpp.py tests/test_ops_fused_policy_loss.py tests/test_ops_torch_backend.py \
 	tests/test_ops_fused_linear_policy_loss.py tests/test_ops_backends_differential.py tests/test_algo_policy_loss.py \
-	tests/test_local_update.py tests/test_local_fused_lm_head.py tests/test_openrlhf_trainer.py
+	tests/test_local_update.py tests/test_local_fused_lm_head.py tests/test_openrlhf_trainer.py tests/test_ops_one_pass.py
 
 # --durations: the slowest tests of each run, so that the suite's time budget (TESTING.md) stays measured.
 # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads sleep at a barrier instead of spinning; beside other processes a

@@ -99,9 +99,12 @@ def _worker(backend: str, dtype_name: str, n: int, v: int, repeats: int) -> dict
     gc.collect()
     method, baseline = _start_peak_window()
 
+    ran = set()
+
     def step() -> float:
         start = time.perf_counter()
         out = fused_policy_loss(logits, backend=backend, **inputs, **LOSS_OPTIONS)
+        ran.add(out.backend)
         objective = out.loss.sum() / n  # token mean; entropy and kl are only logged
         (grad,) = torch.autograd.grad(objective, logits)
         elapsed = time.perf_counter() - start
@@ -112,7 +115,8 @@ def _worker(backend: str, dtype_name: str, n: int, v: int, repeats: int) -> dict
     times = [step() for _ in range(repeats)]
     result = dict(backend=backend, dtype=dtype_name, n=n, v=v, median_s=statistics.median(times),
                   times_s=times, peak_mib=_peak_growth(method, baseline) / 2**20, peak_method=method,
-                  logits_mib=logits.numel() * logits.element_size() / 2**20, threads=torch.get_num_threads())  # fmt: skip
+                  logits_mib=logits.numel() * logits.element_size() / 2**20, threads=torch.get_num_threads(),
+                  backend_ran=sorted(ran))  # fmt: skip
     if backend == "cpp":
         from openrlhf_lopti.ops.cpp_policy_loss import cpp_isa
 
@@ -181,6 +185,10 @@ def main(argv: Optional[list] = None) -> int:
 
     start = time.perf_counter()
     results = run(args.n, args.v, args.dtypes, args.repeats)
+    refused = [f"{r['backend']}/{r['dtype']} ran {r['backend_ran']}" for r in results if r["backend_ran"] != [r["backend"]]]
+    if refused:  # a figure must be the backend it is labelled with (a cpp row that ran torch is not cpp's)
+        print(f"refused: {'; '.join(refused)}", file=sys.stderr)
+        return 1
     isa = next((r["isa"] for r in results if "isa" in r), "?")
     print(f"CPU: {_cpu_model()}, {os.cpu_count()} cores, torch threads {results[0]['threads']}, cpp ISA {isa}")
     print(f"N={args.n}, V={args.v}, options {LOSS_OPTIONS}, median of {args.repeats} after 1 warm-up")

@@ -5,7 +5,15 @@
   upstream ships it), ``log_probs_from_logits``, ``PolicyLoss`` + ``kl_coef * masked_mean(compute_approx_kl)``
   ``- entropy_coef * masked_mean(entropy)`` (``trainer/ray/ppo_actor.py``);
 - ``logits_kernel``: ``lm_head`` in the model dtype, then our ``fused_policy_loss`` on those logits;
-- ``fused_linear``: our ``fused_linear_policy_loss`` (lm_head + loss chunk by chunk; no ``[N, V]`` logits).
+- ``fused_linear``: our ``fused_linear_policy_loss`` (lm_head + loss block by block; no ``[N, V]`` logits);
+- ``liger_flce``: Liger-Kernel's fused linear GRPO loss (``LigerFusedLinearGRPOLoss``, chunked torch, compiled),
+  when installed: its KL is a loss term of its own, its loss is ``bnpo`` (a token mean: the same at one sequence);
+- ``cce``: Apple's Cut Cross-Entropy (``linear_cross_entropy``, ``impl="cce_exact"``: nothing filtered) for the
+  log-probs, when installed and on CUDA, then our per-token loss on those ``[N]`` log-probs
+  (``algo.policy_loss_from_logp``). It computes no entropy: run with ``--entropy-coef 0`` to compare it.
+
+Every row records the backend its op reports it ran (ours: ``LossHeadOutput.backend``); a row whose backend is not
+the one expected (``--backend``: ``triton`` on CUDA, ``cpp`` / ``torch`` on CPU) is refused and the run exits 1.
 
 One step's loss head = the forward-only passes (old-policy and reference log-probs from the hidden states,
 as experience making does; no entropy there, as upstream) + the training step's forward and backward,
@@ -35,19 +43,31 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark's memory and CPU helpers
 from bench_cpu_policy_loss import _cpu_model, _peak_growth, _start_peak_window  # noqa: E402
 
-PATHS = ("openrlhf", "logits_kernel", "fused_linear")
+PATHS = ("openrlhf", "logits_kernel", "fused_linear", "liger_flce", "cce")
+DEFAULT_PATHS = ("openrlhf", "logits_kernel", "fused_linear")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Same loss options in every path: clip-higher, k3 KL, entropy bonus, sampling temperature (no AR: upstream has none).
 EPS_LOW, EPS_HIGH, KL_COEF, ENTROPY_COEF, TEMPERATURE = 0.2, 0.28, 0.001, 0.001, 0.7
 FORWARD_ONLY_PASSES = 2  # old-policy and reference log-probs
 GOALS = {"memory_vs_openrlhf": 10.0, "memory_vs_logits_kernel": 3.0, "time_vs_logits_kernel": 1.3}
+
+
+def expected_backends(device: str, backend: str) -> dict:
+    """The backend each path must report for its figures to be that path's: ours run ``backend`` (``auto``: Triton
+    on CUDA; on CPU the C++ kernel for the logits, torch block ops for the fused lm_head)."""
+    if backend == "auto":
+        logits, fused = ("triton", "triton") if device == "cuda" else ("cpp", "torch")
+    else:
+        logits, fused = backend, ("torch" if backend == "cpp" else backend)
+    return {"openrlhf": "openrlhf", "logits_kernel": logits, "fused_linear": fused, "liger_flce": "liger",
+            "cce": "cce_exact"}
 DEFAULTS = {
     "cpu": dict(n=2048, h=896, v=151936, dtype="float32"),  # Qwen2.5-0.5B's hidden size
     "cuda": dict(n=16384, h=2048, v=151936, dtype="bfloat16"),  # Qwen2.5-3B's
@@ -70,7 +90,16 @@ def _make_inputs(n: int, h: int, v: int, dtype: torch.dtype, device: str, seed: 
                 mask=torch.ones(n, dtype=torch.bool, device=device))  # fmt: skip
 
 
-def _openrlhf_steps(data: dict):
+class Steps(NamedTuple):
+    """One path's forward-only passes and training forward (the caller backpropagates), and the backends its ops
+    reported running (filled as they run)."""
+
+    forward_only: Callable
+    train: Callable
+    ran: set
+
+
+def _openrlhf_steps(data: dict, options: dict) -> Steps:
     from openrlhf_lopti.openrlhf.cpu.stubs import install_cpu_stubs
 
     install_cpu_stubs()  # openrlhf.models imports flash-attn; a no-op where it is installed
@@ -97,26 +126,35 @@ def _openrlhf_steps(data: dict):
         del logits
         loss = policy_loss(logp, data["old"][None], data["adv"][None], action_mask=mask)[0]
         kl = compute_approx_kl(logp, data["ref"][None], kl_estimator="k3")
-        return loss + KL_COEF * masked_mean(kl, mask, dim=None) - ENTROPY_COEF * masked_mean(entropy, mask, dim=None)
+        return loss + KL_COEF * masked_mean(kl, mask, dim=None) - options["entropy_coef"] * masked_mean(entropy, mask,
+                                                                                                    dim=None)
 
-    return forward_only, train
-
-
-def _our_options() -> dict:
-    return dict(ref_log_probs=None, eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=KL_COEF, kl_estimator="k3",
-                temperature=TEMPERATURE, return_entropy=True)  # fmt: skip
+    return Steps(forward_only, train, {"openrlhf"})
 
 
-def _logits_kernel_steps(data: dict):
-    from openrlhf_lopti.ops import fused_policy_loss
+def _our_options(data: dict, options: dict) -> dict:
+    """Our loss's settings, the token mean's weights up front (the one-pass head where the backend has one) and, with
+    an entropy bonus, its weights; value checks at the step (what our trainers do)."""
+    weights = data["mask"].float() / data["mask"].sum()
+    entropy = -options["entropy_coef"] * weights if options["entropy_coef"] else None
+    return dict(ref_log_probs=data["ref"], eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=KL_COEF, kl_estimator="k3",
+                temperature=TEMPERATURE, backend=options["backend"], check="step", loss_weights=weights,
+                entropy_weights=entropy)  # fmt: skip
+
+
+def _logits_kernel_steps(data: dict, options: dict) -> Steps:
+    from openrlhf_lopti.ops import StepChecks, fused_policy_loss
 
     zeros = torch.zeros_like(data["old"])
+    ran, checks = set(), StepChecks()
 
     def forward_only():
         with torch.no_grad():
             for _ in range(FORWARD_ONLY_PASSES):
                 logits = data["hidden"] @ data["weight"].t()
-                out = fused_policy_loss(logits, data["labels"], zeros, zeros, data["mask"], temperature=TEMPERATURE)
+                out = fused_policy_loss(logits, data["labels"], zeros, zeros, data["mask"], temperature=TEMPERATURE,
+                                        backend=options["backend"])  # fmt: skip
+                ran.add(out.backend)
                 logp = out.logp
                 del logits
         return logp
@@ -124,30 +162,86 @@ def _logits_kernel_steps(data: dict):
     def train():
         logits = data["hidden"] @ data["weight"].t()
         out = fused_policy_loss(logits, data["labels"], data["old"], data["adv"], data["mask"],
-                                **(_our_options() | dict(ref_log_probs=data["ref"])))  # fmt: skip
+                                grad_in_logits=True, **_our_options(data, options))  # fmt: skip
+        ran.add(out.backend)
+        checks.add(out.status, "train")
         del logits
-        return (out.loss.sum() - ENTROPY_COEF * out.entropy.sum()) / data["mask"].sum()
+        return out.reduced
 
-    return forward_only, train
+    return Steps(forward_only, train, ran)
 
 
-def _fused_linear_steps(data: dict):
+def _fused_linear_steps(data: dict, options: dict) -> Steps:
     from openrlhf_lopti.ops import fused_linear_policy_loss, linear_log_probs
+
+    ran = set()
 
     def forward_only():
         for _ in range(FORWARD_ONLY_PASSES):
-            logp, _ = linear_log_probs(data["hidden"], data["weight"], data["labels"], temperature=TEMPERATURE)
+            logp, _ = linear_log_probs(data["hidden"], data["weight"], data["labels"], temperature=TEMPERATURE,
+                                       backend=options["backend"])  # fmt: skip
         return logp
 
     def train():
         out = fused_linear_policy_loss(data["hidden"], data["weight"], data["labels"], data["old"], data["adv"],
-                                       data["mask"], **(_our_options() | dict(ref_log_probs=data["ref"])))  # fmt: skip
-        return (out.loss.sum() - ENTROPY_COEF * out.entropy.sum()) / data["mask"].sum()
+                                       data["mask"], **_our_options(data, options))  # fmt: skip
+        ran.add(out.backend)
+        return out.reduced
 
-    return forward_only, train
+    return Steps(forward_only, train, ran)
 
 
-STEPS = {"openrlhf": _openrlhf_steps, "logits_kernel": _logits_kernel_steps, "fused_linear": _fused_linear_steps}
+def _liger_steps(data: dict, options: dict) -> Steps:
+    """Liger-Kernel's fused linear GRPO loss over the N tokens as one sequence (its [B, T] layout, B = 1)."""
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    loss_fn = LigerFusedLinearGRPOLoss(beta=KL_COEF, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, loss_type="bnpo",
+                                       temperature=TEMPERATURE, use_ref_model=True)  # fmt: skip
+    ids, mask = data["labels"][None], data["mask"][None].long()
+    seq_adv = data["adv"][:1]  # one advantage per sequence
+
+    def forward_only():
+        from openrlhf_lopti.ops import linear_log_probs  # Liger has no forward-only pass: ours stands in, as equal
+
+        with torch.no_grad():
+            for _ in range(FORWARD_ONLY_PASSES):
+                logp, _ = linear_log_probs(data["hidden"], data["weight"], data["labels"], temperature=TEMPERATURE)
+        return logp
+
+    def train():
+        loss, _ = loss_fn(data["hidden"][None], data["weight"], ids, mask, seq_adv,
+                          ref_per_token_logps=data["ref"][None], old_per_token_logps=data["old"][None])  # fmt: skip
+        return loss
+
+    return Steps(forward_only, train, {"liger"})
+
+
+def _cce_steps(data: dict, options: dict) -> Steps:
+    """Cut Cross-Entropy's exact kernel for the log-probs (``-loss`` per token), our per-token loss on them."""
+    from cut_cross_entropy import linear_cross_entropy
+
+    from openrlhf_lopti.algo import policy_loss_from_logp
+
+    def logp_of(hidden):
+        return -linear_cross_entropy(hidden / TEMPERATURE, data["weight"], data["labels"], reduction="none",
+                                     impl="cce_exact")  # fmt: skip
+
+    def forward_only():
+        with torch.no_grad():
+            for _ in range(FORWARD_ONLY_PASSES):
+                logp = logp_of(data["hidden"])
+        return logp
+
+    def train():
+        out = policy_loss_from_logp(logp_of(data["hidden"]), data["old"], data["adv"], data["mask"],
+                                    ref_log_probs=data["ref"], eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=KL_COEF)
+        return out.loss.sum() / data["mask"].sum()
+
+    return Steps(forward_only, train, {"cce_exact"})
+
+
+STEPS = {"openrlhf": _openrlhf_steps, "logits_kernel": _logits_kernel_steps, "fused_linear": _fused_linear_steps,
+         "liger_flce": _liger_steps, "cce": _cce_steps}
 
 
 class _Peak:
@@ -210,29 +304,34 @@ def _step(data: dict, forward_only, train, device: str, peak: Optional["_Peak"] 
     return result
 
 
-def _memory_worker(path: str, device: str, n: int, h: int, v: int, dtype_name: str) -> dict:
+def _memory_worker(path: str, options: dict, device: str, n: int, h: int, v: int, dtype_name: str) -> dict:
     """A fresh process for one path: a warm-up step, then one step whose peak memory is measured."""
     data = _setup(device, n, h, v, dtype_name)
-    forward_only, train = STEPS[path](data)
-    _step(data, forward_only, train, device)  # warm-up: dispatch, torch.compile of upstream's entropy
-    out = dict(path=path, **_step(data, forward_only, train, device, _Peak(device)))
+    try:
+        steps = STEPS[path](data, options)
+        _step(data, steps.forward_only, steps.train, device)  # warm-up: dispatch, torch.compile of upstream's entropy
+    except ImportError as error:
+        return dict(path=path, status=f"not installed ({error.name or error})")
+    out = dict(path=path, status="ok", **_step(data, steps.forward_only, steps.train, device, _Peak(device)))
     out["peak_bytes"] = max(out["forward_only_peak_bytes"], out["train_peak_bytes"])
+    out["backend_ran"] = sorted(steps.ran)
     return out
 
 
-def _time_worker(paths: list, device: str, n: int, h: int, v: int, dtype_name: str, repeats: int) -> dict:
+def _time_worker(paths: list, options: dict, device: str, n: int, h: int, v: int, dtype_name: str,
+                 repeats: int) -> dict:  # fmt: skip
     """All paths in one process on the same inputs, interleaved: one warm-up step each, then ``repeats`` rounds
     that run every path once, in an order rotated each round, so a change of machine load hits all paths."""
     data = _setup(device, n, h, v, dtype_name)
-    steps = {path: STEPS[path](data) for path in paths}
+    steps = {path: STEPS[path](data, options) for path in paths}
     for path in paths:
-        _step(data, *steps[path], device)
+        _step(data, steps[path].forward_only, steps[path].train, device)
     rounds = []
     for r in range(repeats):
         order = paths[r % len(paths) :] + paths[: r % len(paths)]
-        rounds.append({path: _step(data, *steps[path], device) for path in order})
+        rounds.append({path: _step(data, steps[path].forward_only, steps[path].train, device) for path in order})
         rounds[-1]["loadavg_1min"] = os.getloadavg()[0]  # other jobs on the machine, for the record
-    out = dict(rounds=rounds, threads=torch.get_num_threads())
+    out = dict(rounds=rounds, threads=torch.get_num_threads(), backend_ran={p: sorted(s.ran) for p, s in steps.items()})
     if device == "cpu":
         from openrlhf_lopti.ops.cpp_policy_loss import cpp_available, cpp_isa
 
@@ -246,19 +345,19 @@ def arithmetic_bytes(n: int, h: int, v: int, itemsize: int) -> dict:
     """Each path's training-step peak from its dominant buffers (bytes), by the structure the CPU measurement
     shows: OpenRLHF holds four fp32 ``[N, V]`` buffers at its peak (upcast logits, entropy and log-softmax
     temporaries, gradients), plus the lm_head's low-precision gradient when the model is bf16/fp16; the logits
-    kernel holds the logits and their gradient; the fused lm_head holds two ``[chunk, V]`` buffers and the fp32
-    weight-gradient accumulator (with the final cast to the model dtype for a bf16/fp16 weight)."""
-    from openrlhf_lopti.ops.fused_linear_policy_loss import default_chunk_size
+    kernel holds the logits and their gradient (one buffer: the one-pass head writes the gradient over them), or
+    the logits and the lm_head's gradients; the fused lm_head holds one ``[R, Vb]`` block of logits
+    (``DEFAULT_BLOCK_BYTES``), the fp32 ``[N, H]`` accumulator of the hidden states' gradient and a product in the
+    model dtype, beside the gradients every path returns."""
+    from openrlhf_lopti.ops.fused_linear_policy_loss import DEFAULT_BLOCK_BYTES
 
     nv, vh, nh = n * v, v * h, n * h
     low = itemsize != 4
     grads = (vh + nh) * itemsize
-    chunk = min(n, default_chunk_size(v, torch.bfloat16 if low else torch.float32, buffers=2))
-    fused_grad_weight = 4 * vh + (itemsize * vh if low else 0)
     return {
         "openrlhf": 16 * nv + (itemsize * nv if low else 0),
-        "logits_kernel": max(2 * itemsize * nv, itemsize * nv + grads),
-        "fused_linear": max(2 * chunk * v * itemsize + 4 * vh, fused_grad_weight) + nh * itemsize,
+        "logits_kernel": itemsize * nv + grads,
+        "fused_linear": min(DEFAULT_BLOCK_BYTES, itemsize * nv) + 4 * nh + itemsize * nh + grads,
     }
 
 
@@ -281,7 +380,7 @@ def summarize(memory: list, timing: dict) -> dict:
     ratios fused_linear / logits_kernel, three ways: the median over rounds of the per-round wall ratio, the
     ratio of the fastest rounds (least disturbed by other jobs), and the median per-round process-CPU ratio."""
     rounds = timing["rounds"]
-    paths = {m["path"]: dict(m) for m in memory}
+    paths = {m["path"]: dict(m) for m in memory if m["status"] == "ok"}
     for path, row in paths.items():
         for part in PARTS:
             row[f"{part}_s"] = statistics.median(_seconds(r[path], part) for r in rounds)
@@ -289,11 +388,12 @@ def summarize(memory: list, timing: dict) -> dict:
     if {"fused_linear", "logits_kernel", "openrlhf"} <= set(paths):
         fl, lk, orl = paths["fused_linear"], paths["logits_kernel"], paths["openrlhf"]
         without = lambda row: row["peak_bytes"] - row["grad_bytes"]  # noqa: E731
+        ratio = lambda a, b: a / b if b > 0 else float("nan")  # noqa: E731  (a tiny shape can grow by 0 bytes)
         ratios = {
-            "memory_vs_openrlhf": orl["peak_bytes"] / fl["peak_bytes"],
-            "memory_vs_logits_kernel": lk["peak_bytes"] / fl["peak_bytes"],
-            "memory_vs_openrlhf_without_grads": without(orl) / without(fl),
-            "memory_vs_logits_kernel_without_grads": without(lk) / without(fl),
+            "memory_vs_openrlhf": ratio(orl["peak_bytes"], fl["peak_bytes"]),
+            "memory_vs_logits_kernel": ratio(lk["peak_bytes"], fl["peak_bytes"]),
+            "memory_vs_openrlhf_without_grads": ratio(without(orl), without(fl)),
+            "memory_vs_logits_kernel_without_grads": ratio(without(lk), without(fl)),
         }
         for part in PARTS:
             fused = [_seconds(r["fused_linear"], part) for r in rounds]
@@ -305,20 +405,25 @@ def summarize(memory: list, timing: dict) -> dict:
                 "fastest_rounds": min(fused) / min(logits),
                 "median_of_round_cpu_ratios": statistics.median(cpu),
             }
-    return dict(paths=list(paths.values()), ratios=ratios, loadavg=[r["loadavg_1min"] for r in rounds])
+    skipped = [dict(m) for m in memory if m["status"] != "ok"]
+    return dict(paths=list(paths.values()), skipped=skipped, ratios=ratios,
+                loadavg=[r["loadavg_1min"] for r in rounds])  # fmt: skip
 
 
 def format_report(summary: dict) -> str:
     lines = [
-        "| path | forward-only passes: time (s) | peak (GiB) | train fwd+bwd: time (s) | peak (GiB) "
+        "| path | backend | forward-only passes: time (s) | peak (GiB) | train fwd+bwd: time (s) | peak (GiB) "
         "| step time (s) | step peak (GiB) | loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["paths"]:
         lines.append(
-            f"| {r['path']} | {r['forward_only_s']:.2f} | {_gib(r['forward_only_peak_bytes'])} | {r['train_s']:.2f} "
-            f"| {_gib(r['train_peak_bytes'])} | {r['total_s']:.2f} | {_gib(r['peak_bytes'])} | {r['loss']:.6f} |"
+            f"| {r['path']} | {','.join(r['backend_ran'])} | {r['forward_only_s']:.2f} "
+            f"| {_gib(r['forward_only_peak_bytes'])} | {r['train_s']:.2f} | {_gib(r['train_peak_bytes'])} "
+            f"| {r['total_s']:.2f} | {_gib(r['peak_bytes'])} | {r['loss']:.6f} |"
         )
+    for r in summary.get("skipped", []):
+        lines.append(f"| {r['path']} | {r['status']} |")
     q = summary["ratios"]
     if q:
         grads = _gib(summary["paths"][0]["grad_bytes"])
@@ -364,7 +469,11 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--v", type=int, help="vocab size (default 151936, Qwen2.5's)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
                         help="model dtype (default: float32 on CPU, bfloat16 on GPU; bf16 GEMMs on CPU are slow)")
-    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
+    parser.add_argument("--paths", default=",".join(DEFAULT_PATHS), help=f"comma-separated subset of {PATHS}")
+    parser.add_argument("--backend", choices=("auto", "triton", "cpp", "torch"), default="auto",
+                        help="our kernels' backend; a path whose op reports another one is refused (exit 1)")
+    parser.add_argument("--entropy-coef", type=float, default=ENTROPY_COEF,
+                        help=f"entropy bonus in every path (default {ENTROPY_COEF}; 0 to compare cce, which has none)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (every path once each), after a warm-up")
     parser.add_argument("--json", help="write the results here (default benchmarks/results/bench_memory_<device>.json)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing JSON file")
@@ -376,9 +485,13 @@ def main(argv: Optional[list] = None) -> int:
     if min(shape["n"], shape["h"], shape["v"], args.repeats, args.threads or 1) < 1:
         parser.error("--n, --h, --v, --repeats and --threads must be >= 1")
     dims = (args.device, shape["n"], shape["h"], shape["v"], shape["dtype"])
+    options = dict(backend=args.backend, entropy_coef=args.entropy_coef)
     if args.worker:
         mode, what = args.worker.split(":")
-        result = _memory_worker(what, *dims) if mode == "memory" else _time_worker(what.split(","), *dims, args.repeats)
+        if mode == "memory":
+            result = _memory_worker(what, options, *dims)
+        else:
+            result = _time_worker(what.split(","), options, *dims, args.repeats)
         print(json.dumps(result))
         return 0
     paths = [p for p in args.paths.split(",") if p]
@@ -394,15 +507,25 @@ def main(argv: Optional[list] = None) -> int:
         os.environ["BENCH_THREADS"] = str(args.threads)  # read by the worker processes
     started = time.perf_counter()
     common = ["--device", args.device, "--n", str(shape["n"]), "--h", str(shape["h"]), "--v", str(shape["v"]),
-              "--dtype", shape["dtype"], "--repeats", str(args.repeats)]  # fmt: skip
+              "--dtype", shape["dtype"], "--repeats", str(args.repeats), "--backend", args.backend,
+              "--entropy-coef", str(args.entropy_coef)]  # fmt: skip
     memory = [_subprocess(["--worker", f"memory:{path}", *common]) for path in paths]
-    timing = _subprocess(["--worker", f"time:{','.join(paths)}", *common])
-    summary = summarize(memory, timing)
+    expected = expected_backends(args.device, args.backend)
+    for row in memory:  # every figure says what ran: a path whose op ran another backend is not that path's figure
+        if row["status"] == "ok" and row["backend_ran"] != [expected[row["path"]]]:
+            row["status"] = f"refused: the op ran {row['backend_ran']}, {expected[row['path']]} expected"
+    running = [row["path"] for row in memory if row["status"] == "ok"]
+    timing = _subprocess(["--worker", f"time:{','.join(running)}", *common]) if running else dict(rounds=[])
+    for path, ran in timing.get("backend_ran", {}).items():
+        if ran != [expected[path]]:
+            row = next(r for r in memory if r["path"] == path)
+            row["status"] = f"refused: the op ran {ran} in the timed rounds, {expected[path]} expected"
+    summary = summarize(memory, timing) if timing["rounds"] else dict(paths=[], skipped=memory, ratios={}, loadavg=[])
     if args.device == "cuda":
-        where = f"GPU: {timing['gpu']}"
+        where = f"GPU: {timing.get('gpu', torch.cuda.get_device_name())}"
     else:
         where = f"CPU: {_cpu_model()}, {os.cpu_count()} cores, torch threads {timing['threads']}"
-        where += f", cpp kernel {timing['cpp_isa']}"
+        where += f", cpp kernel {timing.get('cpp_isa', '-')}"
     print(where)
     print(f"N={shape['n']}, H={shape['h']}, V={shape['v']}, {shape['dtype']}; {FORWARD_ONLY_PASSES} forward-only "
           f"passes + one training fwd+bwd. Peaks: one fresh process per path, a step after a warm-up step. Times: "
@@ -413,10 +536,14 @@ def main(argv: Optional[list] = None) -> int:
     print(format_arithmetic(32768, 4096, 151936, 2))
     print(f"(bench took {time.perf_counter() - started:.0f} s)")
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    report = dict(shape=shape, where=where, summary=summary, memory=memory, timing=timing)
+    report = dict(shape=shape, where=where, backend=args.backend, entropy_coef=args.entropy_coef, summary=summary,
+                  memory=memory, timing=timing)  # fmt: skip
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {json_path}")
-    return 0
+    refused = [row["path"] for row in memory if row["status"].startswith("refused")]
+    if refused:
+        print(f"refused paths (their op ran another backend): {', '.join(refused)}", file=sys.stderr)
+    return 1 if refused else 0
 
 
 if __name__ == "__main__":

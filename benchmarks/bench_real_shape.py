@@ -310,7 +310,7 @@ def run_update(model, optimizer, exp, cfg) -> dict:
     record = {"train_s": wall, "train_cpu_s": cpu, **{f"{k}_s": v for k, v in stages.items()},
               "compute_s": stages["body_fwd"] + stages["head"] + stages["body_bwd"],
               "optimizer_steps": metrics["optimizer_steps"], "peak_growth_mib": memory.growth / 2**20,
-              "rss_before_mib": rss}  # fmt: skip
+              "rss_before_mib": rss, "loss_backend": metrics["loss_backend"]}  # fmt: skip
     if cfg.lopti:
         record.update(lopti_phase_metrics(metrics))
     return record

@@ -353,6 +353,7 @@ def bench_local(args, model_dir: Path, reward_file: Path, work: Path, log: Calla
     import torch
 
     from openrlhf_lopti.local.trainer import LocalTrainer
+    from openrlhf_lopti.ops import backends_ran
 
     trainers = {}
     for path in args.loss_paths:
@@ -366,9 +367,12 @@ def bench_local(args, model_dir: Path, reward_file: Path, work: Path, log: Calla
             for method in rotated(args.methods, round_):
                 trainer = trainers[(path, method)]
                 torch.manual_seed(args.seed * 1_000_003 + round_)  # every method samples with the same seed
+                before = backends_ran()
                 with stage_clocks() as clocks, StepMemory(trainer.device) as memory:
                     metrics = trainer.train_step()
+                after = backends_ran()
                 record = local_record(trainer.cfg, metrics, clocks, memory.growth)
+                record["loss_backend"] = sorted(name for name in after if after[name] > before.get(name, 0))
                 record.update(trainer="local", method=method, loss_path=path, pair=round_, counted=counted)
                 log(f"local {path:<13} {method:<8} round {round_ + 1}{'' if counted else ' (warm-up)'}: "
                     f"step {record['step_s']:.2f} s, train {record['train_s']:.2f} s")  # fmt: skip

@@ -144,7 +144,12 @@ def run_variant(name: str, model, tokenizer, batch: dict, args, work: str, log: 
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # every step's metrics on stdout (disable_tqdm's printer): ours is enough
+    from openrlhf_lopti.ops import backends_ran
+
+    before = backends_ran()
     trainer.train()
+    after = backends_ran()
+    ran = sorted(name for name in after if after[name] > before.get(name, 0))  # our loss head's backends, if it ran
     history = trainer.state.log_history
     del trainer
     gc.collect()
@@ -158,7 +163,7 @@ def run_variant(name: str, model, tokenizer, batch: dict, args, work: str, log: 
             "optimizer_steps": len(window), "wall_s": sum(s["wall_s"] for s in window),
             "cpu_s": sum(s["cpu_s"] for s in window), "rss_before_mib": window[0]["rss_before_mib"],
             "peak_growth_mib": max(s["peak_mib"] for s in window) - window[0]["rss_before_mib"],
-            "load_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            "load_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "loss_backend": ran or None,
         }  # fmt: skip
         if lopti:  # the round's phases: tokens per phase, from the trainer's own metrics
             logged = [h for h in history if "lopti/low/tokens" in h]

@@ -4,6 +4,7 @@
     python -m benchmarks.gpu_steps loss-head --json PATH      # bench_policy_loss at N=8192, V=151936, bf16
     python -m benchmarks.gpu_steps trl --steps 4              # LoptiGRPOTrainer steps on the GPU, bf16
     python -m benchmarks.gpu_steps local --steps 3            # local-trainer steps on the GPU, bf16
+    python -m benchmarks.gpu_steps trl-shapes --json PATH     # TRL's GRPOTrainer vs ours at Qwen2.5-0.5B's shapes
 
 ``loss-head`` runs ``benchmarks/bench_policy_loss.py`` with every backend that imports here: our torch reference
 and Triton kernel always, OpenRLHF 0.11.2's eager loss when ``openrlhf.models.loss`` imports, Liger-Kernel's GRPO
@@ -136,13 +137,15 @@ def _timed_callback():
         def on_step_begin(self, args, state, control, **kw):
             import torch
 
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             import torch
 
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.start)
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -202,6 +205,114 @@ def trl_steps(args) -> int:
     return 1 if failures else 0
 
 
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True,
+                  rope_theta=1e6)  # fmt: skip
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=2048, max_position_embeddings=512, tie_word_embeddings=True)  # fmt: skip
+
+
+def _full_vocab_tokenizer(vocab_size: int):
+    """The demo's word tokenizer padded with ``w<i>`` words up to the model's vocabulary, so every id the random
+    model samples decodes (no model hub here: the shapes are Qwen2.5-0.5B's, the weights random)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from openrlhf_lopti.demo.tiny_model import build_word_tokenizer
+
+    base = build_word_tokenizer()
+    vocab = dict(base.get_vocab())
+    for i in range(len(vocab), vocab_size):
+        vocab[f"w{i}"] = i
+    core = Tokenizer(models.WordLevel(vocab, unk_token=base.unk_token))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, **{k: getattr(base, k) for k in (
+        "unk_token", "pad_token", "eos_token", "bos_token") if getattr(base, k, None)})  # fmt: skip
+    tok.chat_template = base.chat_template
+    return tok
+
+
+def trl_shapes(args) -> int:
+    """TRL's ``GRPOTrainer`` against ``LoptiGRPOTrainer`` at Qwen2.5-0.5B's shapes (random weights from its config),
+    bf16, the same seed and batch: GRPO (TRL's, ours fused), AR + Lopti (fused, fused lm_head, TRL's loss path).
+    Per variant: seconds per generation batch (a GRPO step or a Lopti round, after the first) and peak memory;
+    the backend that ran is in each trainer's printed line. Lopti's factor: AR + Lopti fused over our GRPO."""
+    import torch
+    from datasets import Dataset
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from openrlhf_lopti.local.task import compact_prompt, puzzles
+    from openrlhf_lopti.trl import LoptiGRPOConfig, LoptiGRPOTrainer
+
+    shape = TINY if args.shape == "tiny" else QWEN25_05B
+    device_cuda = torch.cuda.is_available() and not args.cpu
+    tok = _full_vocab_tokenizer(shape["vocab_size"])
+    records = puzzles(0, 0, 16, [2])
+    dataset = Dataset.from_list([{"prompt": compact_prompt(r)} for r in records])
+
+    def reward(prompts, completions, **kwargs):  # varies between random completions: nonzero advantages
+        return [float(len(set(c.split()))) for c in completions]
+
+    variants = [  # (label, trainer class, our options or None for TRL's config)
+        ("trl GRPOTrainer grpo", GRPOTrainer, None),
+        ("ours grpo (fused)", LoptiGRPOTrainer, dict()),
+        ("ours ar+lopti (fused)", LoptiGRPOTrainer, dict(ar_alpha=0.3, lopti_eta=0.5)),
+        ("ours ar+lopti (fused lm_head)", LoptiGRPOTrainer, dict(ar_alpha=0.3, lopti_eta=0.5, fused_lm_head=True)),
+        ("ours ar+lopti (TRL's loss)", LoptiGRPOTrainer, dict(ar_alpha=0.3, lopti_eta=0.5, fused_loss=False)),
+    ]
+    rows, failures = [], 0
+    for label, cls, ours in variants:
+        lopti = bool(ours and ours.get("lopti_eta"))
+        common = dict(
+            output_dir=tempfile.mkdtemp(), seed=0, report_to="none", logging_steps=1, save_strategy="no",
+            bf16=device_cuda, use_cpu=not device_cuda, per_device_train_batch_size=args.batch, num_generations=8,
+            max_completion_length=args.completion, gradient_accumulation_steps=1, steps_per_generation=1,
+            max_steps=(2 if lopti else 1) * args.rounds, learning_rate=1e-6, beta=0.0, epsilon=0.2,
+            epsilon_high=0.28, loss_type="dapo",
+        )  # fmt: skip
+        config = GRPOConfig(**common) if ours is None else LoptiGRPOConfig(**common, loss_backend="auto", **ours)
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+        if device_cuda:
+            model = model.to(torch.bfloat16)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        times = _timed_callback()
+        try:
+            trainer = cls(model=model, reward_funcs=[reward], args=config, train_dataset=dataset, processing_class=tok,
+                          callbacks=[times])  # fmt: skip
+            trainer.train()
+        except Exception as exc:  # noqa: BLE001 - the next variant still runs
+            failures += 1
+            print(f"{label}: FAILED {first_error_line(exc)}")
+            rows.append(dict(variant=label, status=f"failed: {first_error_line(exc)}"))
+            continue
+        per_round = [sum(times.times[i : i + (2 if lopti else 1)]) for i in range(0, len(times.times), 2 if lopti else 1)]
+        later = per_round[1:] or per_round
+        row = dict(variant=label, status="ok", optimizer_steps=len(times.times), round_s=per_round,
+                   round_s_after_first=sum(later) / len(later),
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device_cuda else None)  # fmt: skip
+        rows.append(row)
+        peak = "n/a" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
+        print(f"{label}: {row['optimizer_steps']} optimizer steps, s per generation batch "
+              + ", ".join(f"{t:.2f}" for t in per_round) + f"; peak {peak}")  # fmt: skip
+        del trainer, model
+    ok = {r["variant"]: r for r in rows if r["status"] == "ok"}
+    grpo, lopti_row = ok.get("ours grpo (fused)"), ok.get("ours ar+lopti (fused)")
+    factor = lopti_row["round_s_after_first"] / grpo["round_s_after_first"] if grpo and lopti_row else None
+    trl_row = ok.get("trl GRPOTrainer grpo")
+    if factor is not None:
+        print(f"Lopti's factor (ar+lopti fused / grpo fused, s per generation batch): {factor:.2f}x")
+    if trl_row and grpo and device_cuda:
+        print(f"peak memory, ours grpo (fused) / TRL's GRPOTrainer: {grpo['peak_gib'] / trl_row['peak_gib']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(shape=args.shape, device="cuda" if device_cuda else "cpu",
+                                                   gpu=torch.cuda.get_device_name() if device_cuda else None,
+                                                   rows=rows, lopti_factor=factor), indent=2) + "\n")  # fmt: skip
+    return 1 if failures else 0
+
+
 def local_steps(args) -> int:
     """The local trainer (``LocalTrainer.train_step``) on the GPU in bf16, GRPO and AR+Lopti x both loss paths."""
     import torch
@@ -253,6 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--v", type=int, default=151936)
     s.add_argument("--repeats", type=int, default=10)
     s.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "gpu_loss_head.json"))
+    s = sub.add_parser("trl-shapes", help="TRL's GRPOTrainer vs LoptiGRPOTrainer at Qwen2.5-0.5B's shapes")
+    s.add_argument("--shape", choices=("qwen2.5-0.5b", "tiny"), default="qwen2.5-0.5b")
+    s.add_argument("--batch", type=int, default=16, help="completions per step (per_device_train_batch_size)")
+    s.add_argument("--completion", type=int, default=128, help="max completion tokens")
+    s.add_argument("--rounds", type=int, default=2, help="generation batches per variant")
+    s.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of the step, tiny shape)")
+    s.add_argument("--json", default=None)
     for name in ("trl", "local"):
         s = sub.add_parser(name, help=f"a few {name} steps on the GPU in bf16")
         s.add_argument("--steps", type=int, default=4 if name == "trl" else 3)
@@ -264,13 +382,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.step != "probe":
+    if args.step != "probe" and not getattr(args, "cpu", False):
         import torch
 
         if not torch.cuda.is_available():
             print(f"gpu_steps {args.step}: no CUDA device visible to torch {torch.__version__}")
             return 2
-    return {"probe": probe, "loss-head": loss_head, "trl": trl_steps, "local": local_steps}[args.step](args)
+    steps = {"probe": probe, "loss-head": loss_head, "trl": trl_steps, "local": local_steps, "trl-shapes": trl_shapes}
+    return steps[args.step](args)
 
 
 if __name__ == "__main__":

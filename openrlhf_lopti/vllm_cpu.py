@@ -7,13 +7,17 @@ object has no attribute 'weight_loader'``), or, where the weight is kept but not
 samples from the old packed copy. Every front end that syncs weights into a vLLM CPU engine (OpenRLHF's ``--cpu``
 worker, TRL's colocate mode, verl) does the same two things, written here once:
 
-- :func:`keep_weights_when_packing` before the model is loaded (in the process that loads it);
+- :func:`keep_weights_when_packing` before the model is loaded (in the process that loads it), or
+  :func:`keep_weights_when_packing_on_import` in a process that has not imported vLLM yet;
 - :func:`repack_linear_layers` after the last weight of each sync.
 
 This is the only module below the front ends that imports vLLM (lazily: importing it does not).
 """
 
 import functools
+import importlib.abc
+import importlib.util
+import sys
 
 import torch
 
@@ -35,6 +39,39 @@ def keep_weights_when_packing() -> None:
 
     dispatch_keeping_weight.keeps_weight = True
     utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+
+
+PACKING_MODULE = "vllm.model_executor.layers.utils"  # where vLLM's CPU linear layers find their packing function
+
+
+def keep_weights_when_packing_on_import() -> None:
+    """:func:`keep_weights_when_packing` now if vLLM's layers are imported, else right after they are: for a process
+    that imports us before it imports vLLM (one that may start an engine later). Does not import vLLM itself."""
+    if PACKING_MODULE in sys.modules:
+        keep_weights_when_packing()
+        return
+    if not any(isinstance(finder, _PatchAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchAfterImport())
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Finds :data:`PACKING_MODULE` through the other finders and patches it once it has run (then leaves)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != PACKING_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def run_and_patch(module) -> None:
+            run(module)
+            keep_weights_when_packing()
+
+        spec.loader.exec_module = run_and_patch
+        return spec
 
 
 def repack_linear_layers(model: torch.nn.Module) -> int:

@@ -72,3 +72,21 @@ def test_the_benchmarks_script_is_the_package_program(tmp_path, capsys):
     with pytest.raises(SystemExit, match="2"):
         bench_policy_loss.main(argv)  # the JSON exists: refused, under the script's own name
     assert "bench_policy_loss: error: " in capsys.readouterr().err
+
+
+def test_a_row_whose_op_ran_another_backend_is_refused_and_the_run_fails(tmp_path, monkeypatch, capsys):
+    """Every figure says what ran: a row labelled ``cpp`` whose op ran the torch reference (as ``auto`` once did
+    on a GPU) is not written as that backend's figure; its status says what ran and the run exits 1. The other
+    rows record the backend they ran."""
+    from openrlhf_lopti.cli import bench_loss_head
+    from openrlhf_lopti.ops import cpp_policy_loss, torch_policy_loss
+
+    monkeypatch.setattr(cpp_policy_loss, "cpp_policy_loss", torch_policy_loss.torch_policy_loss)  # a silent fallback
+    path = tmp_path / "bench.json"
+    argv = ["--device", "cpu", "--n", "16", "--v", "96", "--seq-len", "8", "--repeats", "1", "--warmup", "0",
+            "--backends", "torch,cpp", "--ar-alpha", "0", "--json", str(path)]  # fmt: skip
+    assert bench_loss_head.main(argv) == 1
+    rows = {r["backend"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["torch"]["status"] == "ok" and rows["torch"]["backend_ran"] == ["torch"]
+    assert rows["cpp"]["status"] == "refused: the op ran ['torch'], this row is labelled cpp"
+    assert "refused rows (the op ran another backend than their label): cpp" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """benchmarks/bench_memory.py at a tiny shape, in-process: its three paths compute the same loss and gradients
-(so the table compares equal work), its ratios are computed as documented, and it never overwrites a result."""
+(so the table compares equal work), each records the backend its op ran and a path whose op ran another backend
+than expected is refused, its ratios are computed as documented, and it never overwrites a result."""
 
 import pytest
 import torch
@@ -23,21 +24,23 @@ def test_the_three_paths_compute_the_same_loss_and_gradients(monkeypatch):
     _eager_entropy(monkeypatch)
     data = bench_memory._make_inputs(n=24, h=8, v=40, dtype=torch.float32, device="cpu")
     results = {}
-    for path in bench_memory.PATHS:
-        forward_only, train = bench_memory.STEPS[path](data)
-        logp = forward_only()
-        loss = train()
+    options = dict(backend="auto", entropy_coef=bench_memory.ENTROPY_COEF)
+    for path in bench_memory.DEFAULT_PATHS:
+        steps = bench_memory.STEPS[path](data, options)
+        logp = steps.forward_only()
+        loss = steps.train()
         grads = torch.autograd.grad(loss, [data["hidden"], data["weight"]])
         results[path] = (logp.detach(), loss.detach(), grads)
+        assert steps.ran == {bench_memory.expected_backends("cpu", "auto")[path]}, (path, steps.ran)
     # The truth: the openrlhf path (plain torch) on float64 copies of the same inputs (tests/numerics.py); every
     # path, fp32 only where it runs a C++ kernel, within the bound derived from the computation: magnitude
     # max sum_k |h_k w_k| / T, reduction length V + H + N.
     data64 = {k: (v.detach().double().requires_grad_(v.requires_grad) if v.is_floating_point() else v)
               for k, v in data.items()}  # fmt: skip
     with Float64Shadow():
-        forward_only, train = bench_memory.STEPS["openrlhf"](data64)
-        want_logp = forward_only().reshape(-1)
-        want_loss = train()
+        steps = bench_memory.STEPS["openrlhf"](data64, options)
+        want_logp = steps.forward_only().reshape(-1)
+        want_loss = steps.train()
         want_grads = torch.autograd.grad(want_loss, [data64["hidden"], data64["weight"]])
     assert want_loss.dtype == want_logp.dtype == torch.float64
     hidden, weight = data64["hidden"].detach(), data64["weight"].detach()
@@ -55,8 +58,8 @@ def test_the_three_paths_compute_the_same_loss_and_gradients(monkeypatch):
 
 
 def test_summary_ratios():
-    memory = [dict(path=p, peak_bytes=b, grad_bytes=10, forward_only_peak_bytes=1, train_peak_bytes=b, loss=0.0)
-              for p, b in (("openrlhf", 410), ("logits_kernel", 130), ("fused_linear", 50))]  # fmt: skip
+    memory = [dict(path=p, status="ok", peak_bytes=b, grad_bytes=10, forward_only_peak_bytes=1, train_peak_bytes=b,
+                   loss=0.0, backend_ran=[p]) for p, b in (("openrlhf", 410), ("logits_kernel", 130), ("fused_linear", 50))]  # fmt: skip
 
     def run(fwd, train):
         return dict(forward_only_s=fwd, train_s=train, forward_only_cpu_s=2 * fwd, train_cpu_s=2 * train)
@@ -86,3 +89,27 @@ def test_refuses_to_overwrite_a_result(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         bench_memory.main(["--json", str(existing)])
     assert exit_info.value.code == 2 and existing.read_text() == "{}"
+
+
+def test_a_path_whose_op_ran_another_backend_is_refused(tmp_path, monkeypatch, capsys):
+    """Every figure says what ran: the logits path's op reporting the torch reference where the C++ kernel is
+    expected (what `auto` did on a GPU with the reference) is refused, and the run exits 1."""
+    def worker(args):
+        mode, what = args[1].split(":")
+        if mode == "memory":
+            ran = ["torch"] if what == "logits_kernel" else [bench_memory.expected_backends("cpu", "auto")[what]]
+            return dict(path=what, status="ok", peak_bytes=100, grad_bytes=10, forward_only_peak_bytes=1,
+                        train_peak_bytes=100, loss=0.0, backend_ran=ran)  # fmt: skip
+        step = dict(forward_only_s=1.0, train_s=1.0, forward_only_cpu_s=1.0, train_cpu_s=1.0)
+        paths = what.split(",")
+        return dict(rounds=[{**{p: step for p in paths}, "loadavg_1min": 0.0}], threads=1, cpp_isa="avx2",
+                    backend_ran={p: [bench_memory.expected_backends("cpu", "auto")[p]] for p in paths})  # fmt: skip
+
+    monkeypatch.setattr(bench_memory, "_subprocess", worker)
+    path = tmp_path / "result.json"
+    assert bench_memory.main(["--json", str(path), "--n", "8", "--h", "4", "--v", "16", "--repeats", "1"]) == 1
+    report = __import__("json").loads(path.read_text())
+    rows = {row["path"]: row for row in report["memory"]}
+    assert rows["logits_kernel"]["status"] == "refused: the op ran ['torch'], cpp expected"
+    assert rows["fused_linear"]["status"] == "ok" and rows["fused_linear"]["backend_ran"] == ["torch"]
+    assert "refused paths (their op ran another backend): logits_kernel" in capsys.readouterr().err

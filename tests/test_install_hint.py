@@ -103,8 +103,8 @@ def test_without_sources_the_warning_says_how_to_reinstall(fresh_loader, tmp_pat
     (tmp_path / "built-for").write_text("0.0.1\n")
     fresh_loader.setattr(cpp, "_PACKAGE", tmp_path / "site" / "openrlhf_lopti")
     message = unavailable_warning()
-    where = f"{tmp_path / 'site' / 'openrlhf_lopti' / 'csrc'} or {tmp_path / 'site' / 'csrc'}"
-    assert f"no C++ sources in {where}" in message
+    where = tmp_path / "site" / "openrlhf_lopti" / "csrc"  # not site/csrc: in site-packages, another package's
+    assert f"no C++ sources in {where} (a wheel" in message
     assert f'reinstall, pip install -e "{REPO}" --force-reinstall --no-deps' in message
 
 

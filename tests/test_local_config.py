@@ -111,7 +111,37 @@ def test_train_defaults_are_the_demo_settings():
               "seed", "kl_coef", "eps_low", "eps_high", "optimizer", "estimator", "epochs", "grad_clip")
     assert {k: getattr(train, k) for k in shared} == {k: getattr(demo, k) for k in shared}
     assert (train.lr, train.max_new_tokens) == (5e-4, MAX_NEW_TOKENS) == (5e-4, 20)
-    assert train_parser().parse_args(["--model", "m"]).threads == demo_args.threads == 1
+    assert train_parser().parse_args(["--model", "m"]).threads is None and demo_args.threads == 1  # None: 1, told
+
+
+def test_train_tells_a_many_core_user_of_its_one_thread_default(monkeypatch, capsys, tmp_path):
+    """(Before: --threads defaulted to 1 outside the demo too, and a many-core CPU user ran several times slower
+    without a word.)"""
+    import torch
+
+    import openrlhf_lopti.local.trainer as trainer_module
+    from openrlhf_lopti.local.cli import main
+
+    class NoTraining:
+        def __init__(self, cfg, **kwargs):
+            self.out = cfg.out
+
+        def run(self):
+            return []
+
+    monkeypatch.setattr(trainer_module, "LocalTrainer", NoTraining)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        assert main(["--model", "m", "--out", str(tmp_path)]) == 0
+        assert torch.get_num_threads() == 1
+        told = capsys.readouterr().out
+        assert "train: 1 torch thread (the default, as the demo's); --threads 0 gives torch's choice, 4 here" in told
+        torch.set_num_threads(4)
+        assert main(["--model", "m", "--out", str(tmp_path), "--threads", "0"]) == 0
+        assert torch.get_num_threads() == 4 and "torch thread" not in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_train_refuses_negative_threads():
@@ -120,3 +150,16 @@ def test_train_refuses_negative_threads():
 
     with pytest.raises(UserError, match=r"^--threads must be >= 0 \(0: torch's choice\), got -1$"):
         main(["--model", "m", "--out", "o", "--threads", "-1"])
+
+
+def test_a_config_saved_before_the_eta_and_quantile_rule_resumes_with_its_quantile(tmp_path):
+    """A config.json written when eta was always saved (0.5 by default) and a quantile won over it. (Before: --resume
+    refused it, "eta=0.5 and lopti_quantile=0.3 are two Lopti thresholds", though the user gave one.)"""
+    import json
+
+    from openrlhf_lopti.local.cli import build_parser, config_from_args
+
+    saved = TrainConfig(model="m", out=str(tmp_path), lopti_quantile=0.3).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "eta": 0.5}))
+    cfg = config_from_args(build_parser().parse_args(["--out", str(tmp_path), "--resume"]))
+    assert (cfg.eta, cfg.lopti_quantile, cfg.lopti) == (None, 0.3, True)

@@ -41,10 +41,12 @@ def strip(rows):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
-def test_a_run_writes_metrics_checkpoint_plots_and_a_loadable_model(model_dir, tmp_path):
+def test_a_run_writes_metrics_checkpoint_plots_and_a_loadable_model(model_dir, tmp_path, capsys):
     cfg = config(model_dir, tmp_path / "run", lopti=True, alpha=0.3, eval_prompts=4)
     rows = LocalTrainer(cfg).run()
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    printed = [line for line in capsys.readouterr().err.splitlines() if "loss head on the" in line]
+    assert printed == ["[openrlhf-lopti] local trainer: loss head on the torch backend (torch asked)"]  # once per run
     for key in ("reward", "accuracy", "kl", "lopti/low_token_frac", "ar/mean_weight", "clip_ratio", "grad_norm",
                 "lopti/low/policy_loss", "lopti/high/policy_loss", "entropy"):  # fmt: skip
         assert all(key in r for r in rows), key

@@ -526,8 +526,34 @@ def test_a_batch_without_response_tokens_takes_no_step(tiny):
     exp = dataclasses.replace(exp, rollout=dataclasses.replace(exp.rollout, action_mask=mask))
     before = [p.detach().clone() for p in model.parameters()]
     m = update_policy(model, torch.optim.SGD(model.parameters(), lr=0.1), exp, cfg_for())
-    assert m == {"loss": 0.0, "optimizer_steps": 0, "clip_ratio": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    assert m == {"loss": 0.0, "optimizer_steps": 0, "clip_ratio": 0.0, "entropy": 0.0, "grad_norm": 0.0,
+                 "loss_backend": None}  # no loss-head call
     assert all(p.equal(b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("poison", ["advantage", "logits"])
+def test_a_bad_value_raises_before_the_optimizer_step_naming_the_phase_and_row(tiny, poison):
+    """The loss head's value checks are read once per optimizer step (check="step"), before it: a non-finite
+    advantage (or a NaN logit from a diverged lm_head) raises there, naming the phase, the mini-batch and the row,
+    and no weight has moved. The first mini-batch of the round holds the bad token (one mini-batch here)."""
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    exp = fixed_experience(model, tok)
+    response = exp.rollout.action_mask
+    if poison == "advantage":
+        advantages = exp.advantages.clone()
+        advantages[response.nonzero()[3].tolist()] = float("nan")  # the 4th response token of the batch
+        exp = dataclasses.replace(exp, advantages=advantages)
+        expected = r"advantages must be finite .* \(row \d+ at phase 'all', mini-batch 1\)"
+    else:
+        with torch.no_grad():
+            model.get_output_embeddings().weight[7, 0] = float("nan")
+        expected = r"logits row \d+ \(unmasked\) at phase 'all', mini-batch 1 has no finite log-sum-exp"
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=expected):
+        update_policy(model, torch.optim.SGD(model.parameters(), lr=0.1), exp, cfg_for(loss_backend="cpp"))
+    assert all(torch.equal(p.detach(), b) or (torch.isnan(b).any() and torch.equal(p.detach().isnan(), b.isnan()))
+               for p, b in zip(model.parameters(), before))  # fmt: skip
 
 
 def test_phase_part_by_hand():

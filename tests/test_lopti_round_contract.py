@@ -10,12 +10,20 @@ padding, and (for one setting) an empty phase. For each setting:
    (``LoptiActorPPOTrainer._gather_over_dp`` / ``_sum_metrics_over_dp`` over a real ``DeviceMesh``)
    and through TRL's trainer's (``LoptiGRPOTrainer._gather_over_processes`` / ``_sum_over_processes`` on a real
    ``accelerate.Accelerator``), and decide the threshold, each token's phase and the metrics of one process
-   planning the whole batch.
+   planning the whole batch; and two ranks of one OpenRLHF data-parallel replica (a ring-attention group: both hold
+   the whole batch, OpenRLHF's mesh ``(dp, sp, tp) = (1, 2, 1)``) decide what one process decides, not twice its
+   counts (a sum over the world instead of the data-parallel group);
+4. an empty phase (no token on any process) takes no optimizer step and leaves the LR schedule where a run without
+   Lopti leaves it, in every front end: the round of the "empty phase" setting trains exactly as a plain pass,
+   here for the local trainer and TRL's real trainer; OpenRLHF's on its real DeepSpeed engine in
+   test_openrlhf_trainer.py (``test_eta_putting_every_token_in_one_phase_is_exactly_the_baseline``) and verl's on
+   its real FSDP2 engine in tests/verl/test_worker.py (``test_an_empty_phase_takes_no_optimizer_step``), each in
+   its own environment or fixtures.
 
 What 3 cannot show: the trainers around those methods (they are bound to an object holding only what they
 read). The whole trainers are run elsewhere: OpenRLHF's with 2 DeepSpeed ranks and a quantile
-(test_openrlhf_deepspeed.py), TRL's on one process (test_trl_round.py, test_trl_trainer.py), the local update
-(test_local_update.py).
+(test_openrlhf_deepspeed.py), TRL's on one process (test_trl_round.py, test_trl_trainer.py) and two
+(test_trl_processes.py), the local update (test_local_update.py).
 """
 
 import functools
@@ -104,6 +112,16 @@ def test_a_nested_batch_gets_the_padded_batchs_round(name, settings):
     with pytest.raises(ValueError, match=r"^response_mask: a nested round needs .* got a padded tensor") as info:
         plan_round(nested_old, mask, settings)
     assert "\n" not in str(info.value)
+    # rows cut out of a longer buffer (narrow): values() also holds the gaps between the rows, which would count as
+    # tokens (before: accepted, and the gaps planned as response tokens)
+    buffer = torch.cat([old, torch.zeros_like(old)], dim=1)
+    cut = torch.nested.narrow(buffer, 1, torch.zeros(4, dtype=torch.long), mask.sum(-1), layout=torch.jagged)
+    cut_mask = torch.nested.narrow(torch.cat([mask, mask], 1), 1, torch.zeros(4, dtype=torch.long), mask.sum(-1),
+                                   layout=torch.jagged)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^old_log_probs: a nested round needs contiguous jagged rows") as info:
+        plan_round(cut, cut_mask, settings)
+    assert "\n" not in str(info.value)
+    assert plan_round(cut.contiguous(), cut_mask.contiguous(), settings).threshold == padded.threshold
 
 
 @pytest.mark.parametrize("name, local, openrlhf, trl, expected", SETTINGS, ids=[s[0] for s in SETTINGS])
@@ -208,6 +226,11 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         strategy = SimpleNamespace(ds_device_mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
         openrlhf = LoptiActorPPOTrainer.__new__(LoptiActorPPOTrainer)  # only its collectives run: they read strategy
         openrlhf.strategy = strategy
+        # one data-parallel replica of `world` ranks (a ring-attention group): every rank holds the whole batch
+        replica = LoptiActorPPOTrainer.__new__(LoptiActorPPOTrainer)
+        replica.strategy = SimpleNamespace(
+            ds_device_mesh=init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("dp", "sp", "tp"))
+        )
         trl = SimpleNamespace(accelerator=accelerator)
         drivers = {
             "openrlhf": dict(gather=openrlhf._gather_over_dp, all_reduce=openrlhf._sum_metrics_over_dp),
@@ -220,6 +243,8 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             for front_end, collectives in drivers.items():
                 lopti_round = plan_round(old[rows], mask[rows], settings, 0.3, **collectives)
                 result[f"{name}/{front_end}"] = summary(lopti_round)
+            collectives = dict(gather=replica._gather_over_dp, all_reduce=replica._sum_metrics_over_dp)
+            result[f"{name}/openrlhf replica"] = summary(plan_round(old, mask, settings, 0.3, **collectives))
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(exc).__name__}: {exc}"
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -251,3 +276,72 @@ def test_two_ranks_decide_what_one_process_decides_for_the_whole_batch(tmp_path)
                 want_phases = [[n, m[2 * r : 2 * r + 2], t] for n, m, t in whole["phases"]]
                 assert part["phases"] == want_phases, (name, front_end, r)
                 assert_same_round(part, {**whole, "phases": want_phases})
+        for r, result in enumerate(results):  # (before: the replica's ranks summed over the world counted 2x)
+            assert_same_round(result[f"{name}/openrlhf replica"], whole)
+
+
+def _local_round(settings: dict):
+    """The local trainer's ``update_policy`` on a tiny Llama's own samples, AdamW: (parameters after, metrics)."""
+    from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer
+    from openrlhf_lopti.local.config import TrainConfig
+    from openrlhf_lopti.local.experience import Experience
+    from openrlhf_lopti.local.rollout import generate_rollouts, response_logprobs
+    from openrlhf_lopti.local.update import build_optimizers, update_policy
+
+    tok = build_word_tokenizer()
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    torch.manual_seed(0)
+    rollout = generate_rollouts(model, tok, ["Alice says", "Bob is a"], 4, 6, 1.0)
+    old = response_logprobs(model, rollout, 1.0)
+    advantages = torch.tensor([1.0, -1.0] * 4).view(-1, 1) * rollout.action_mask
+    flags = torch.zeros(len(rollout), dtype=torch.bool)
+    exp = Experience(rollout, old, None, advantages, torch.zeros(len(rollout)), flags, ~flags)
+    cfg = TrainConfig(model="m", out="o", mini_batch_size=4, kl_coef=0.0, loss_backend="torch", progress=False,
+                      weight_decay=0.1, **settings)  # fmt: skip
+    optimizer = build_optimizers([p for p in model.parameters() if p.requires_grad], cfg)
+    metrics = update_policy(model, optimizer, exp, cfg, torch.Generator().manual_seed(0))
+    return [p.detach().clone() for p in model.parameters()], metrics
+
+
+def _trl_round(tmp_path, lopti: bool):
+    """TRL's real trainer, AdamW with weight decay and a linear schedule: one generation batch, one optimizer step per
+    phase. With ``lopti_eta=1`` every token is low: the high phase is empty. (parameters, AdamW step counts, the
+    scheduler's count and last rate)."""
+    from openrlhf_lopti.trl import LoptiGRPOConfig, LoptiGRPOTrainer
+
+    from .test_trl_trainer import distinct_words, kk_dataset, settings, tiny_model
+    from openrlhf_lopti.demo.tiny_model import build_word_tokenizer
+
+    tok = build_word_tokenizer()
+    extra = dict(lopti_eta=1.0, max_steps=2) if lopti else dict(max_steps=1)
+    cfg = LoptiGRPOConfig(**settings(tmp_path, gradient_accumulation_steps=1, steps_per_generation=1,
+                                     optim="adamw_torch", weight_decay=0.1, lr_scheduler_type="linear",
+                                     shuffle_dataset=False, **extra))  # fmt: skip
+    trainer = LoptiGRPOTrainer(model=tiny_model(tok), reward_funcs=[distinct_words], args=cfg,
+                               train_dataset=kk_dataset(8), processing_class=tok)  # fmt: skip
+    trainer.train()
+    if lopti:
+        logged = {k: v for h in trainer.state.log_history for k, v in h.items()}
+        assert logged["lopti/high/tokens"] == 0 and logged["lopti/low/tokens"] > 0
+    steps = sorted({int(state["step"]) for state in trainer.optimizer.state.values()})
+    schedule = (trainer.lr_scheduler.last_epoch, trainer.lr_scheduler.get_last_lr())
+    return [p.detach().clone() for p in trainer.model.parameters()], steps, schedule
+
+
+@pytest.mark.parametrize("front_end", ["local", "trl"])
+def test_an_empty_phase_takes_no_optimizer_step(front_end, tmp_path):
+    """The "empty phase" setting's eta = 1 puts every token in the low phase: the round is its low phase alone, a
+    plain pass; the high phase takes no optimizer step (no AdamW moment update, no weight decay) and leaves the
+    schedule as a run without Lopti leaves it. (Before, TRL: AdamW stepped on zero gradients in the empty phase,
+    moving every weight by its momentum and weight decay.)"""
+    if front_end == "local":
+        plain, plain_metrics = _local_round({})
+        lopti, metrics = _local_round(dict(lopti=True, eta=1.0))
+        assert metrics["lopti/high/tokens"] == 0 and metrics["optimizer_steps"] == plain_metrics["optimizer_steps"]
+    else:
+        pytest.importorskip("trl")
+        plain, plain_steps, plain_schedule = _trl_round(tmp_path / "plain", lopti=False)
+        lopti, steps, schedule = _trl_round(tmp_path / "lopti", lopti=True)
+        assert steps == plain_steps == [1]  # one AdamW step per parameter: the empty phase took none
+        assert schedule == plain_schedule
+    assert all(torch.equal(a, b) for a, b in zip(lopti, plain))

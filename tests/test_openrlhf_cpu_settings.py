@@ -181,3 +181,19 @@ def test_the_local_ray_runs_its_workers_at_the_drivers_priority(monkeypatch):
     finally:
         ray.shutdown()
     assert niceness == os.nice(0)
+
+
+def test_a_users_worker_niceness_is_kept(monkeypatch):
+    """A ``RAY_worker_niceness`` the user set reaches the local Ray that ``--cpu`` starts unchanged (the test above
+    clears it first: an overwrite passed it)."""
+    import os
+
+    import ray
+
+    from openrlhf_lopti.openrlhf.cpu.runtime import WORKER_NICENESS_ENV, init_ray
+
+    seen = []
+    monkeypatch.setenv(WORKER_NICENESS_ENV, "7")
+    monkeypatch.setattr(ray, "init", lambda *a, **k: seen.append(os.environ.get(WORKER_NICENESS_ENV)))
+    init_ray(parse_args(BASE))
+    assert seen == ["7"]  # what the raylet that ray.init starts reads

@@ -440,12 +440,33 @@ def test_jit_build_from_csrc_when_extension_is_missing(tmp_path, where):
     assert all(flag in flags["ldflags"].split() for flag in openmp), flags["ldflags"]
 
 
+def test_a_cxx_with_a_launcher_is_a_compiler(monkeypatch, tmp_path):
+    """``CXX="ccache g++"``, a launcher before the compiler, as torch's builder takes it. (Before: refused as "no C++
+    compiler", the whole string looked up as one program.) No compile here: torch's builder is replaced."""
+    from types import SimpleNamespace
+
+    from openrlhf_lopti.ops import cpp_policy_loss as cpp
+
+    loads = []
+    monkeypatch.setattr(cpp, "_quiet_import_of_the_builder", lambda: SimpleNamespace(load=lambda **k: loads.append(k)))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "env g++")  # env: a launcher on every machine
+    cpp._jit_build()
+    assert len(loads) == 1
+    monkeypatch.setenv("CXX", "no-such-launcher g++")
+    with pytest.raises(cpp._CannotBuild, match=r"^no C\+\+ compiler \('no-such-launcher' of CXX='no-such-launcher g\+\+' is"):
+        cpp._jit_build()
+
+
 def test_jit_fallback_without_csrc_says_why(tmp_path):
-    # An install without csrc/ (and without `_C`): a copy of the package alone. No build is tried,
+    # An install without csrc/ (and without `_C`): a copy of the package alone, in a site-packages where another
+    # package left a csrc/ of its own. No build is tried (before: the other package's sources were compiled),
     # cpp_available() is False, and the one warning names the missing sources.
     package = tmp_path / "site" / "openrlhf_lopti"
     shutil.copytree(os.path.join(REPO, "openrlhf_lopti"), package,
                     ignore=shutil.ignore_patterns("*.so", "__pycache__"))  # fmt: skip
+    (tmp_path / "site" / "csrc").mkdir()
+    (tmp_path / "site" / "csrc" / "other.cpp").write_text("int other_package() { return 0; }\n")
     script = textwrap.dedent(
         """
         import json, sys, warnings
@@ -467,7 +488,7 @@ def test_jit_fallback_without_csrc_says_why(tmp_path):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["package"] == str(package / "__init__.py"), got  # the copy, not the checkout
     assert got["available"] is False
-    where = f"{package / 'csrc'} or {tmp_path / 'site' / 'csrc'}"
+    where = f"{package / 'csrc'}"
     assert got["warnings"] == [
         "openrlhf_lopti: C++ policy-loss kernel unavailable, using the torch backend (openrlhf_lopti._C: "
         f"import of openrlhf_lopti._C halted; None in sys.modules; JIT build impossible: no C++ sources in {where} "
@@ -511,8 +532,8 @@ def test_cpp_policy_loss_defaults_are_the_textbook_loss():
     # T = 1, no entropy. Checked against the loss written out in the test with those values.
     d = make_inputs(Case(n=32, v=80, old_spread=1.0, seed=41))
     logits = d["logits"].clone().requires_grad_(True)
-    out, bad_rows = cpp_module.cpp_policy_loss(logits, d["labels"], d["old_log_probs"], d["advantages"], d["mask"])
-    assert out.entropy is None and not bad_rows.any()
+    out = cpp_module.cpp_policy_loss(logits, d["labels"], d["old_log_probs"], d["advantages"], d["mask"])
+    assert out.entropy is None and not out.status.rows.any() and out.backend == "cpp"
     opts = dict(alpha=0.0, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3",
                 temperature=1.0)  # fmt: skip
     want_logits = d["logits"].double().requires_grad_(True)

@@ -1,7 +1,7 @@
 """``fused_linear_policy_loss`` / ``linear_log_probs`` against the torch reference ``hidden @ W.T (+ b)`` then
 ``policy_loss_from_logits`` / ``token_logprobs``: values, and gradients to hidden, weight and bias under arbitrary
-per-token gradients on loss, logp and entropy at once; chunking, masking, tied weights, -inf bias columns,
-memory (no [N, V] tensor), and the input checks."""
+per-token gradients on loss, logp and entropy at once; row chunks and vocabulary blocks, masking, tied weights, -inf
+bias columns, memory (no [N, V] tensor), and the input checks."""
 
 import contextlib
 import copy
@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import openrlhf_lopti.ops.cpp_policy_loss as cpp_module
 from openrlhf_lopti.algo import policy_loss_from_logits, token_logprobs
 from openrlhf_lopti.ops import fused_linear_policy_loss, linear_log_probs
-from openrlhf_lopti.ops.fused_linear_policy_loss import default_chunk_size
+from openrlhf_lopti.ops.fused_linear_policy_loss import default_block_shape
 
 from .kernel_cases import textbook_policy_loss
 from .numerics import U32, Float64Shadow, assert_near_float64, assert_same_computation, fp32_error_bound
@@ -181,26 +181,27 @@ def test_matches_reference_with_gradients_on_loss_logp_and_entropy(backend, bias
     assert not mask.all() and torch.all(got["hidden"][~mask] == 0)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 5, 28, 1000, None])
-def test_any_chunk_size_gives_the_same_result(chunk_size, monkeypatch):
+@pytest.mark.parametrize("chunk_size,vocab_block", [(1, None), (5, 7), (28, 1), (1000, 50), (None, 13), (None, None)])
+def test_any_block_shape_gives_the_same_result(chunk_size, vocab_block, monkeypatch):
     inputs = make_inputs()
     grads = random_grads(37, seed=2)
-    out, got = run(fused, inputs, grads, chunk_size=chunk_size, backend="torch", **OPTIONS)
+    blocks = dict(chunk_size=chunk_size, vocab_block=vocab_block)
+    out, got = run(fused, inputs, grads, backend="torch", **blocks, **OPTIONS)
     ref, want = run(reference, inputs, grads, **OPTIONS)
-    assert_matches(out, ref, got, want, inputs, grads, OPTIONS, "torch", monkeypatch, chunk_size=chunk_size)
+    assert_matches(out, ref, got, want, inputs, grads, OPTIONS, "torch", monkeypatch, **blocks)
 
 
-def test_default_chunks_fill_the_byte_budget_forward_one_buffer_backward_two(monkeypatch):
-    inputs = make_inputs()  # V = 50 fp32: 200 bytes per row of logits
-    monkeypatch.setattr(linear_module, "DEFAULT_CHUNK_BYTES", 8 * 200 + 199)
-    recorder = _Recorder(linear_module._chunk_logits)
-    monkeypatch.setattr(linear_module, "_chunk_logits", recorder)
+def test_default_blocks_hold_every_kept_row_and_fill_the_byte_budget(monkeypatch):
+    inputs = make_inputs()  # V = 50 fp32
+    kept = int(inputs["mask"].sum())
+    monkeypatch.setattr(linear_module, "DEFAULT_BLOCK_BYTES", kept * 4 * 12 + 47)  # 12 columns of every kept row
+    monkeypatch.setattr(linear_module, "MIN_VOCAB_BLOCK", 8)  # (1024 at real sizes: wider than this V = 50)
+    recorder = _Recorder(linear_module._block_logits)
+    monkeypatch.setattr(linear_module, "_block_logits", recorder)
     grads = random_grads(37, seed=2)
     out, got = run(fused, inputs, grads, backend="torch", **OPTIONS)
-    kept = int(inputs["mask"].sum())
-    assert kept % 8 and kept % 4  # the last chunk is partial in both passes
-    forward, backward = [min(8, kept - s) for s in range(0, kept, 8)], [min(4, kept - s) for s in range(0, kept, 4)]
-    assert recorder.rows == forward + backward  # forward: 8 rows (one buffer), backward: 4 (two buffers)
+    blocks = [(kept, 12)] * 4 + [(kept, 2)]  # 50 = 4 x 12 + 2, every block over all the kept rows
+    assert recorder.blocks == blocks * 2  # the forward, then the backward's one recompute per block
     ref, want = run(reference, inputs, grads, **OPTIONS)
     assert_matches(out, ref, got, want, inputs, grads, OPTIONS)
 
@@ -226,10 +227,10 @@ def test_temperature_and_no_kl_no_entropy(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["torch"] + (["cpp"] if cpp_module.cpp_available() else []))
 def test_bfloat16_tiny(backend, monkeypatch):
-    monkeypatch.setattr(linear_module, "_GRAD_WEIGHT_BLOCK", 7)  # grad_W summed over 4 vocab blocks (24 = 3 x 7 + 3)
     inputs = make_inputs(n=9, h=8, v=24, dtype=torch.bfloat16, seed=7)
     grads = random_grads(9, seed=8)
-    out, got = run(fused, inputs, grads, chunk_size=4, backend=backend, **OPTIONS)
+    # 4 vocab blocks (24 = 3 x 7 + 3) over row chunks of 4: grad_W summed over chunks in fp32
+    out, got = run(fused, inputs, grads, chunk_size=4, vocab_block=7, backend=backend, **OPTIONS)
     ref, want = run(reference, inputs, grads, **OPTIONS)  # bf16 logits, bf16 lm_head backward
     assert got["hidden"].dtype == got["weight"].dtype == got["bias"].dtype == torch.bfloat16
     # Both paths round the lm_head's logits to bf16, so neither is near the float64 truth to fp32 precision: the
@@ -238,7 +239,8 @@ def test_bfloat16_tiny(backend, monkeypatch):
     # that float64 run is within ACCURACY_RATIO of the other's (the reference rounds grad_W once from a bf16 GEMM
     # over all rows; ours sums chunks in fp32).
     truth, truth_grads = float64_run(reference, inputs, grads, **OPTIONS)
-    fused64, fused64_grads = float64_run(fused, inputs, grads, monkeypatch, chunk_size=4, backend="torch", **OPTIONS)
+    fused64, fused64_grads = float64_run(fused, inputs, grads, monkeypatch, chunk_size=4, vocab_block=7,
+                                         backend="torch", **OPTIONS)  # fmt: skip
     for name in ("loss", "logp", "kl", "entropy"):
         assert_same_computation(name, getattr(out, name), getattr(ref, name), getattr(fused64, name),
                                 getattr(truth, name), f"fused ({backend})", "reference")  # fmt: skip
@@ -300,23 +302,27 @@ def test_tied_embedding_gets_both_gradients(monkeypatch):
 
 
 class _Recorder:
-    def __init__(self, real):
-        self.real, self.rows = real, []
+    """Records the ``(rows, columns)`` of every block of logits the lm_head makes."""
 
-    def __call__(self, hidden_rows, weight, bias, out):
-        self.rows.append(hidden_rows.shape[0])
-        return self.real(hidden_rows, weight, bias, out)
+    def __init__(self, real):
+        self.real, self.blocks = real, []
+
+    def __call__(self, hidden_rows, weight, bias, cols, buffer):
+        out = self.real(hidden_rows, weight, bias, cols, buffer)
+        self.blocks.append(tuple(out.shape))
+        return out
 
 
 def test_masked_rows_never_reach_the_matmul(monkeypatch):
     inputs = make_inputs(seed=11)
     mask = inputs["mask"]
     inputs["hidden"][~mask] = float("nan")  # padding garbage: must not touch any output or gradient
-    recorder = _Recorder(linear_module._chunk_logits)
-    monkeypatch.setattr(linear_module, "_chunk_logits", recorder)
-    out, got = run(fused, inputs, random_grads(37), chunk_size=10, backend="torch", **OPTIONS)
+    recorder = _Recorder(linear_module._block_logits)
+    monkeypatch.setattr(linear_module, "_block_logits", recorder)
+    out, got = run(fused, inputs, random_grads(37), chunk_size=10, vocab_block=30, backend="torch", **OPTIONS)
     kept = int(mask.sum())
-    assert recorder.rows == [10, 10, kept - 20] * 2  # forward, then the backward's recompute
+    chunks = [(10, 30), (10, 20), (10, 30), (10, 20), (kept - 20, 30), (kept - 20, 20)]
+    assert recorder.blocks == chunks * 2  # forward, then the backward's recompute
     assert all(torch.isfinite(t).all() for t in got.values())
     assert torch.isfinite(out.loss).all() and torch.all(out.loss[~mask] == 0)
 
@@ -325,10 +331,10 @@ def test_masked_rows_never_reach_the_matmul(monkeypatch):
 def test_all_masked_is_zero_and_runs_no_matmul(monkeypatch, dtype):
     inputs = make_inputs(n=6, h=4, v=10, dtype=dtype, masked_fraction=1.0)
     assert not inputs["mask"].any()
-    recorder = _Recorder(linear_module._chunk_logits)
-    monkeypatch.setattr(linear_module, "_chunk_logits", recorder)
+    recorder = _Recorder(linear_module._block_logits)
+    monkeypatch.setattr(linear_module, "_block_logits", recorder)
     out, got = run(fused, inputs, random_grads(6), backend="torch", **OPTIONS)
-    assert recorder.rows == []
+    assert recorder.blocks == []
     for name in ("loss", "logp", "kl", "entropy"):
         assert torch.equal(getattr(out, name), torch.zeros(6)), name
     for name, grad in got.items():
@@ -480,12 +486,13 @@ BAD = [
      _full("bias must have hidden's dtype and device, got torch.float16 on cpu")),
     (dict(chunk_size=0), "chunk_size must be None or an integer >= 1"),
     (dict(chunk_size=2.0), "chunk_size must be None or an integer >= 1"),
+    (dict(vocab_block=0), "vocab_block must be None or an integer >= 1"),
+    (dict(loss_weights=torch.ones(N + 1)), "loss_weights must be None or a float tensor of shape \\[N\\]=\\[5\\]"),
+    (dict(check="later"), "check must be one of \\('eager', 'step', 'off'\\), got 'later'"),
     (dict(backend="gpu"), "backend must be one of"),
     # the per-token checks are fused_policy_loss's, with hidden named as the source of N
     (dict(labels=torch.zeros(N + 1, dtype=torch.long)),
      "labels must have shape \\[N\\]=\\[5\\] to match hidden \\[N, H\\]"),
-    (dict(labels=torch.full((N,), V)), "labels must be token ids in \\[0, V\\) = \\[0, 7\\)"),
-    (dict(old_log_probs=torch.full((N,), float("nan"))), "old_log_probs must be finite"),
     (dict(advantages=torch.zeros(N, device="meta")), "advantages is on meta but hidden is on cpu"),
     (dict(kl_coef=0.1), "ref_log_probs is required when kl_coef != 0"),
     (dict(temperature=0.0), "temperature must be a finite number > 0"),
@@ -500,12 +507,12 @@ def test_bad_input_is_a_value_error_before_any_matmul(monkeypatch, overrides, me
     def forbidden(*args):
         raise AssertionError("a matmul ran on invalid input")
 
-    monkeypatch.setattr(linear_module, "_chunk_logits", forbidden)
+    monkeypatch.setattr(linear_module, "_block_logits", forbidden)
     args = _good(**overrides)
     positional = [args.pop(k) for k in ("hidden", "weight", "labels", "old_log_probs", "advantages", "mask")]
     with pytest.raises(ValueError, match=message):
         fused_linear_policy_loss(*positional, **args)
-    if not {"old_log_probs", "advantages", "kl_coef", "alpha", "dual_clip"} & set(overrides):  # not in linear_log_probs
+    if not {"old_log_probs", "advantages", "kl_coef", "alpha", "dual_clip", "loss_weights", "check"} & set(overrides):
         hidden, weight, labels, _, _, mask = positional
         with pytest.raises(ValueError, match=message):
             linear_log_probs(hidden, weight, labels, mask=mask, **args)
@@ -526,25 +533,47 @@ def test_a_non_finite_logits_row_is_named_by_its_global_index(backend):
     fused(inputs["hidden"], inputs["weight"], inputs["bias"], rest, chunk_size=5, backend=backend, **OPTIONS)
 
 
-def test_default_chunk_size_by_hand():
-    # 256 MiB = 268435456 bytes of [chunk, V] buffers. At V = 151936: fp32 rows 607744 bytes -> 441 rows for one
-    # buffer, 220 for two; bf16 / fp16 rows 303872 bytes -> 883 and 441. A vocab whose one row is over the
-    # budget still gets chunks of 1 row.
-    assert default_chunk_size(151936, torch.float32) == 441
-    assert default_chunk_size(151936, torch.float32, buffers=2) == 220
-    assert default_chunk_size(151936, torch.bfloat16) == 883
-    assert default_chunk_size(151936, torch.float16, buffers=2) == 441
-    assert default_chunk_size(2**27, torch.float32) == 1  # 2 GiB per row (budget // row = 0)
-    assert default_chunk_size(2**26, torch.bfloat16, buffers=2) == 1
+BAD_VALUES = [
+    (dict(labels=torch.full((N,), V)), "labels must be token ids in \\[0, V\\) = \\[0, 7\\) on unmasked rows \\(row 0"),
+    (dict(old_log_probs=torch.tensor([0.0, -1.0, float("nan"), 0.0, 0.0])),
+     "old_log_probs must be finite on unmasked rows \\(as float32, the precision of the loss\\) \\(row 2"),
+    (dict(advantages=torch.tensor([0.0, 0.0, 0.0, float("-inf"), 0.0])), "advantages must be finite .* \\(row 3"),
+]  # fmt: skip
 
 
-def test_linear_log_probs_default_chunk_is_one_buffer_in_the_models_dtype(monkeypatch):
-    inputs = make_inputs(dtype=torch.bfloat16, masked_fraction=0.0)  # V = 50 bf16: 100 bytes per row of logits
-    monkeypatch.setattr(linear_module, "DEFAULT_CHUNK_BYTES", 8 * 100 + 99)  # 8 rows (fp32 rows would give 4)
-    recorder = _Recorder(linear_module._chunk_logits)
-    monkeypatch.setattr(linear_module, "_chunk_logits", recorder)
-    linear_log_probs(inputs["hidden"], inputs["weight"], inputs["labels"], backend="torch")
-    assert recorder.rows == [8, 8, 8, 8, 5]  # N = 37
+@pytest.mark.parametrize("overrides,message", BAD_VALUES)
+def test_bad_values_are_named_with_their_row_after_the_forward_and_at_the_step(overrides, message):
+    """Values are checked as status bits (no host sync): under "eager" the call raises after the forward, naming the
+    row; under "step" the call returns (NaN on that row) and the ledger raises the same line, naming the call."""
+    from openrlhf_lopti.ops.value_status import StepChecks
+
+    args = _good(**overrides)
+    positional = [args.pop(k) for k in ("hidden", "weight", "labels", "old_log_probs", "advantages", "mask")]
+    with pytest.raises(ValueError, match=message + "\\)$"):
+        fused_linear_policy_loss(*positional, **args)
+    out = fused_linear_policy_loss(*positional, check="step", **args)
+    assert torch.isnan(out.loss).any() and torch.isfinite(out.loss[out.status.rows == 0]).all()
+    checks = StepChecks()
+    checks.add(out.status, "micro-batch 3")
+    with pytest.raises(ValueError, match=message + " at micro-batch 3\\)$"):
+        checks.raise_if_bad()
+    checks.raise_if_bad()  # emptied: nothing left to raise
+    if "labels" in overrides:
+        hidden, weight, labels, _, _, mask = positional
+        with pytest.raises(ValueError, match=message):
+            linear_log_probs(hidden, weight, labels, mask=mask)
+
+
+def test_default_block_shape_by_hand():
+    # 256 MiB = 268435456 bytes per [R, Vb] block. Every kept row while 1024 columns of them fit: bf16 up to
+    # 131072 rows, fp32 65536. At N = 16384, V = 151936 bf16: every row, 8192 columns; fp32: 4096. A vocabulary
+    # narrower than 1024 gives the rows room for all of it.
+    assert default_block_shape(16384, 151936, torch.bfloat16) == (16384, 8192)
+    assert default_block_shape(16384, 151936, torch.float32) == (16384, 4096)
+    assert default_block_shape(10**6, 151936, torch.bfloat16) == (131072, 1024)
+    assert default_block_shape(10**6, 151936, torch.float32) == (65536, 1024)
+    assert default_block_shape(37, 50, torch.float32) == (37, 50)
+    assert default_block_shape(0, 50, torch.float32) == (1, 50)
 
 
 def test_defaults_are_the_textbook_loss():
@@ -611,48 +640,48 @@ def test_every_option_reaches_the_kernel():
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_chunk_logits_are_written_into_one_reused_buffer(monkeypatch, bias):
-    # The [chunk, V] logits go into one buffer made per pass (no fresh allocation per chunk), with no resize.
+def test_block_logits_are_written_into_one_reused_buffer(monkeypatch, bias):
+    # The [R, Vb] logits go into one buffer made per pass (no fresh allocation per block), with no resize.
     seen = []
-    real = linear_module._chunk_logits
+    real = linear_module._block_logits
 
-    def spy(hidden_rows, weight, bias, out):
-        result = real(hidden_rows, weight, bias, out)
-        seen.append((out.untyped_storage().data_ptr(), result.data_ptr() == out.data_ptr(), tuple(result.shape)))
+    def spy(hidden_rows, weight, bias, cols, buffer):
+        result = real(hidden_rows, weight, bias, cols, buffer)
+        seen.append((buffer.untyped_storage().data_ptr(), result.data_ptr() == buffer.data_ptr(), tuple(result.shape)))
         return result
 
-    monkeypatch.setattr(linear_module, "_chunk_logits", spy)
+    monkeypatch.setattr(linear_module, "_block_logits", spy)
     inputs = make_inputs(seed=24, bias=bias, masked_fraction=0.0)
     rest = {k: v for k, v in inputs.items() if k not in ("hidden", "weight", "bias")}
     leaves = {k: inputs[k].clone().requires_grad_(True) for k in ("hidden", "weight")}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch warns when it has to resize an `out=` tensor
-        out = fused(leaves["hidden"], leaves["weight"], inputs["bias"], rest, chunk_size=10, backend="torch",
-                    **OPTIONS)  # fmt: skip
+        out = fused(leaves["hidden"], leaves["weight"], inputs["bias"], rest, chunk_size=20, vocab_block=30,
+                    backend="torch", **OPTIONS)  # fmt: skip
         out.loss.sum().backward()
-    assert [shape for _, _, shape in seen] == [(10, 50), (10, 50), (10, 50), (7, 50)] * 2
+    assert [shape for _, _, shape in seen] == [(20, 30), (20, 20), (17, 30), (17, 20)] * 2
     assert all(same for _, same, _ in seen)
     forward, backward = {ptr for ptr, _, _ in seen[:4]}, {ptr for ptr, _, _ in seen[4:]}
     assert len(forward) == 1 and len(backward) == 1
-    # and the values are the lm_head's
+    # and the values are the lm_head's columns
     h, w = inputs["hidden"][:10], inputs["weight"]
-    buffer = torch.empty(12, 50)
-    got = real(h, w, inputs["bias"], buffer[:10])
-    want = h @ w.t() if inputs["bias"] is None else h @ w.t() + inputs["bias"]
-    assert got.data_ptr() == buffer.data_ptr()
+    buffer = torch.empty(12 * 30)
+    got = real(h, w, inputs["bias"], slice(20, 50), buffer)
+    assert got.data_ptr() == buffer.data_ptr() and got.shape == (10, 30)
     with Float64Shadow():
-        want = h.double() @ w.double().t() + (0.0 if inputs["bias"] is None else inputs["bias"].double())
+        want = h.double() @ w[20:].double().t() + (0.0 if inputs["bias"] is None else inputs["bias"][20:].double())
     magnitude, length = bound_inputs(dict(inputs, hidden=h), 1.0)
-    assert_near_float64("chunk logits", got, want, fp32_error_bound(magnitude, inputs["weight"].shape[1], 1.0))
+    assert_near_float64("block logits", got, want, fp32_error_bound(magnitude, inputs["weight"].shape[1], 1.0))
 
 
-def test_default_chunks_of_a_bf16_model_count_two_bytes_a_logit(monkeypatch):
-    inputs = make_inputs(dtype=torch.bfloat16, masked_fraction=0.0)  # V = 50 bf16: 100 bytes per row of logits
-    monkeypatch.setattr(linear_module, "DEFAULT_CHUNK_BYTES", 8 * 100 + 99)
-    recorder = _Recorder(linear_module._chunk_logits)
-    monkeypatch.setattr(linear_module, "_chunk_logits", recorder)
-    out, _ = run(fused, inputs, random_grads(37, seed=2), backend="torch", **OPTIONS)
-    assert recorder.rows == [8, 8, 8, 8, 5] + [4] * 9 + [1]  # forward 8 rows (one buffer), backward 4 (two)
+def test_default_blocks_of_a_bf16_model_count_two_bytes_a_logit(monkeypatch):
+    inputs = make_inputs(dtype=torch.bfloat16, masked_fraction=0.0)  # V = 50, N = 37
+    monkeypatch.setattr(linear_module, "DEFAULT_BLOCK_BYTES", 37 * 2 * 20 + 73)  # 20 bf16 columns (fp32 would be 10)
+    monkeypatch.setattr(linear_module, "MIN_VOCAB_BLOCK", 8)
+    recorder = _Recorder(linear_module._block_logits)
+    monkeypatch.setattr(linear_module, "_block_logits", recorder)
+    run(fused, inputs, random_grads(37, seed=2), backend="torch", **OPTIONS)
+    assert recorder.blocks == [(37, 20), (37, 20), (37, 10)] * 2
 
 
 def test_outputs_are_float32_whatever_the_default_dtype():

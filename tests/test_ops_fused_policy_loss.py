@@ -1,5 +1,7 @@
-"""``fused_policy_loss`` itself: every bad argument is a ValueError naming it, raised before any backend runs;
-an all-masked batch is all zeros (value and gradient, never NaN) on every backend; the backend dispatch."""
+"""``fused_policy_loss`` itself: every bad shape, dtype, device or option is a ValueError naming the argument, raised
+before any backend runs; every bad value (an id out of range, a non-finite float) is found by every backend as a
+status bit and raised naming the argument and the row, at once or at the step; an all-masked batch is all zeros
+(value and gradient, never NaN) on every backend; the backend dispatch."""
 
 import functools
 import importlib
@@ -13,6 +15,7 @@ import openrlhf_lopti.ops.cpp_policy_loss as cpp_module
 import openrlhf_lopti.ops.triton as triton_module
 from openrlhf_lopti.algo import policy_loss_from_logits
 from openrlhf_lopti.ops import LossOptions, fused_policy_loss
+from openrlhf_lopti.ops.value_status import StepChecks
 
 # The package re-exports the function under the module's name, so fetch the module itself.
 fused_module = importlib.import_module("openrlhf_lopti.ops.fused_policy_loss")
@@ -75,25 +78,17 @@ BAD_INPUTS = {
         dict(labels=torch.zeros(N, dtype=torch.long, device=meta)),
         dict(labels=torch.zeros(N)),
         dict(labels=torch.zeros(N, dtype=torch.bool)),
-        dict(labels=_with("labels", 2, -1)),
-        dict(labels=_with("labels", 3, V)),
         dict(labels=list(range(N))),
     ],
     "old_log_probs": [
         dict(old_log_probs=torch.zeros(N - 1)),
         dict(old_log_probs=torch.zeros(N, device=meta)),
         dict(old_log_probs=torch.zeros(N, dtype=torch.long)),
-        dict(old_log_probs=_with("old_log_probs", 0, float("nan"))),
-        dict(old_log_probs=_with("old_log_probs", 5, -float("inf"))),
-        dict(old_log_probs=_with_double("old_log_probs", 2, -1e300)),
     ],
     "advantages": [
         dict(advantages=torch.zeros(2 * N)),
         dict(advantages=torch.zeros(N, device=meta)),
         dict(advantages=torch.zeros(N, dtype=torch.int32)),
-        dict(advantages=_with("advantages", 1, float("nan"))),
-        dict(advantages=_with("advantages", 4, float("inf"))),
-        dict(advantages=_with_double("advantages", 0, 1e300)),
     ],
     "mask": [
         dict(mask=torch.ones(N + 2, dtype=torch.bool)),
@@ -105,8 +100,6 @@ BAD_INPUTS = {
         dict(ref_log_probs=torch.zeros(N + 1)),
         dict(ref_log_probs=torch.zeros(N, device=meta)),
         dict(ref_log_probs=torch.zeros(N, dtype=torch.long)),
-        dict(ref_log_probs=_with("ref_log_probs", 3, float("nan"))),
-        dict(ref_log_probs=_with_double("ref_log_probs", 1, -1e300)),
         dict(ref_log_probs=None, kl_coef=0.1),
     ],
     "alpha": [dict(alpha=-0.1), dict(alpha=1.5), dict(alpha=float("nan")), dict(alpha="0.3x")],
@@ -119,7 +112,26 @@ BAD_INPUTS = {
                     dict(temperature=math.inf)],
     "options": [dict(options="alpha=0.3"), dict(options={"alpha": 0.3}), dict(options=LossOptions(), alpha=0.3),
                 dict(options=LossOptions(alpha=0.3), temperature=0.7)],
+    "check": [dict(check="later"), dict(check=None)],
+    "loss_weights": [dict(loss_weights=torch.ones(N + 1)), dict(loss_weights=torch.ones(N, dtype=torch.long)),
+                     dict(loss_weights=torch.ones(N, device=meta)), dict(loss_weights=[1.0] * N)],
+    "entropy_weights": [dict(entropy_weights=torch.ones(N)), dict(entropy_weights=torch.ones(2), loss_weights=torch.ones(N))],
+    "grad_in_logits": [dict(grad_in_logits=True)],
 }  # fmt: skip
+# Bad values: found by each backend in its pass (status bits), raised after the forward naming the argument and
+# the row (argument -> (overrides, the row)).
+BAD_VALUES = {
+    "labels": [(dict(labels=_with("labels", 2, -1)), 2), (dict(labels=_with("labels", 3, V)), 3)],
+    "old_log_probs": [(dict(old_log_probs=_with("old_log_probs", 0, float("nan"))), 0),
+                      (dict(old_log_probs=_with("old_log_probs", 5, -float("inf"))), 5),
+                      (dict(old_log_probs=_with_double("old_log_probs", 2, -1e300)), 2)],
+    "advantages": [(dict(advantages=_with("advantages", 1, float("nan"))), 1),
+                   (dict(advantages=_with("advantages", 4, float("inf"))), 4),
+                   (dict(advantages=_with_double("advantages", 0, 1e300)), 0)],
+    "ref_log_probs": [(dict(ref_log_probs=_with("ref_log_probs", 3, float("nan"))), 3),
+                      (dict(ref_log_probs=_with_double("ref_log_probs", 1, -1e300)), 1)],
+}  # fmt: skip
+BAD_VALUE_CASES = [(name, overrides, row) for name, cases in BAD_VALUES.items() for overrides, row in cases]
 BAD_CASES = [(name, overrides) for name, cases in BAD_INPUTS.items() for overrides in cases]
 
 
@@ -130,7 +142,7 @@ def backends_must_not_run(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a backend ran on invalid input")
 
-    monkeypatch.setattr(fused_module, "policy_loss_from_logits", forbidden)
+    monkeypatch.setattr(fused_module, "torch_policy_loss", forbidden)
     monkeypatch.setattr(triton_module, "triton_policy_loss", forbidden)
     monkeypatch.setattr(cpp_module, "cpp_policy_loss", forbidden)
 
@@ -143,6 +155,29 @@ def test_bad_input_is_a_value_error_naming_the_argument(backends_must_not_run, n
         _call(args, backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpp"])
+@pytest.mark.parametrize("name,overrides,row", BAD_VALUE_CASES,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD_VALUE_CASES)])  # fmt: skip
+def test_a_bad_value_is_named_with_its_row_at_once_or_at_the_step(name, overrides, row, backend):
+    """Each backend flags the bad row in its pass. "eager": the call raises, naming the argument and the row.
+    "step": the call returns NaN on that row (finite elsewhere) and the ledger raises the same line naming the
+    call; "off": nothing is raised, the NaN stays."""
+    args = _good(**overrides)
+    with pytest.raises(ValueError, match=rf"^{name} must be .* \(row {row}\)$"):
+        _call(args, backend=backend)
+    out = _call(dict(args, check="step"), backend=backend)
+    assert torch.isnan(out.loss[row]) and torch.isnan(out.logp[row])
+    others = torch.arange(N) != row
+    assert torch.isfinite(out.loss[others]).all() and torch.isfinite(out.logp[others]).all()
+    assert out.status.rows.tolist() == [int(out.status.rows[row]) if i == row else 0 for i in range(N)]
+    checks = StepChecks()
+    checks.add(out.status, "RL step 2, micro-batch 1")
+    with pytest.raises(ValueError, match=rf"^{name} must be .* \(row {row} at RL step 2, micro-batch 1\)$"):
+        checks.raise_if_bad()
+    off = _call(dict(args, check="off"), backend=backend)
+    assert off.status is None and torch.isnan(off.loss[row])
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -153,7 +188,7 @@ def test_bad_input_is_a_value_error_naming_the_argument(backends_must_not_run, n
         (dict(labels=torch.zeros(N + 1, dtype=torch.long)), f"labels must have shape [N]=[{N}] to match logits [N, V], got ({N + 1},)"),
         (dict(mask=torch.ones(N, dtype=torch.bool, device=meta)), "mask is on meta but logits is on cpu"),
         (dict(old_log_probs=_with("old_log_probs", 0, float("nan"))),
-         "old_log_probs must be finite on unmasked rows (as float32, the precision of the loss)"),
+         "old_log_probs must be finite on unmasked rows (as float32, the precision of the loss) (row 0)"),
         (dict(ref_log_probs=None, kl_coef=0.1), "ref_log_probs is required when kl_coef != 0"),
     ],
     ids=["logits-list", "logits-1d", "logits-no-vocab", "labels-list", "labels-shape", "mask-device", "old-nan", "ref-missing"],
@@ -193,6 +228,7 @@ def test_every_argument_has_a_bad_input_case():
 
     parameters = set(inspect.signature(fused_policy_loss).parameters) - {"return_entropy"}  # a flag
     assert parameters == set(BAD_INPUTS)
+    assert set(BAD_VALUES) <= parameters
 
 
 @pytest.mark.parametrize(
@@ -290,21 +326,25 @@ def test_all_masked_batch_with_padding_garbage_is_zero(backend):
 
 
 class _Spy:
-    """Stands in for a backend: records the call and returns a marker (with no bad-row flags for a kernel)."""
+    """Stands in for a backend: records the call and returns a marker output whose status found nothing."""
 
-    def __init__(self, kernel: bool):
+    def __init__(self, name: str):
         self.calls = []
-        self.kernel = kernel
+        self.name = name
 
     def __call__(self, *args, **kwargs):
+        from openrlhf_lopti.ops.loss_head_output import LossHeadOutput
+        from openrlhf_lopti.ops.value_status import ValueStatus
+
         self.calls.append((args, kwargs))
-        return ("spy-result", torch.zeros(0, dtype=torch.bool)) if self.kernel else "spy-result"
+        status = ValueStatus.of_rows(torch.zeros(N, dtype=torch.int32), V, 1.0)
+        return LossHeadOutput(*(["spy-result"] * 4), backend=self.name, status=status)
 
 
 @pytest.fixture
 def spies(monkeypatch):
-    spies = {"torch": _Spy(kernel=False), "triton": _Spy(kernel=True), "cpp": _Spy(kernel=True)}
-    monkeypatch.setattr(fused_module, "policy_loss_from_logits", spies["torch"])
+    spies = {name: _Spy(name) for name in ("torch", "triton", "cpp")}
+    monkeypatch.setattr(fused_module, "torch_policy_loss", spies["torch"])
     monkeypatch.setattr(triton_module, "triton_policy_loss", spies["triton"])
     monkeypatch.setattr(cpp_module, "cpp_policy_loss", spies["cpp"])
     return spies
@@ -313,13 +353,17 @@ def spies(monkeypatch):
 @pytest.mark.parametrize("backend", ["torch", "triton", "cpp"])
 def test_explicit_backend_gets_the_validated_call(spies, backend):
     args = _good(alpha=1, eps_low=0.1, eps_high=0.3, dual_clip=3, kl_coef=1, kl_estimator="k2", temperature=2)
-    assert _call(args, backend=backend) == "spy-result"
+    before = fused_module.backends_ran().get(backend, 0)
+    out = _call(args, backend=backend)
+    assert out.loss == "spy-result" and out.backend == backend
+    assert fused_module.backends_ran()[backend] == before + 1  # what a benchmark reads
     assert [len(s.calls) for s in spies.values()] == [int(name == backend) for name in spies]
     positional, options_ = spies[backend].calls[0]
     assert positional[0] is args["logits"] and positional[4] is args["mask"]
     assert options_ == dict(
         ref_log_probs=args["ref_log_probs"], alpha=1.0, eps_low=0.1, eps_high=0.3, dual_clip=3.0, kl_coef=1.0,
-        kl_estimator="k2", temperature=2.0, return_entropy=False,
+        kl_estimator="k2", temperature=2.0, return_entropy=False, loss_weights=None, entropy_weights=None,
+        grad_in_logits=False,
     )  # fmt: skip
     assert all(type(options_[k]) is float for k in ("alpha", "eps_low", "eps_high", "dual_clip", "kl_coef"))
 

@@ -308,7 +308,7 @@ def test_defaults_are_the_textbook_loss():
     inputs = make_inputs(case, DEVICE)
     leaf = _leaf(inputs)
     with mock.patch.dict(os.environ, _launch_env(block_v=16)):
-        out, bad_rows = _direct(leaf, ref_log_probs=leaf["ref_log_probs"])
+        out = _direct(leaf, ref_log_probs=leaf["ref_log_probs"])
     out.loss.sum().backward()
     defaults = dict(
         alpha=0.0, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3", temperature=1.0
@@ -316,16 +316,17 @@ def test_defaults_are_the_textbook_loss():
     want, want_grad = _textbook(inputs, defaults)
     ratio = (want["logp"] - inputs["old_log_probs"].cpu().double()).exp()[inputs["mask"].cpu()]
     assert (ratio < 0.8).any() and (ratio > 1.2).any()  # both clip bounds are crossed
-    assert out.entropy is None and not bad_rows.any()
+    assert out.entropy is None and not out.status.rows.any() and out.backend == "triton"
     grad = leaf["logits"].grad
     assert_near_truth("triton", out, grad, want, want_grad, inputs["logits"], 1.0, fields=("loss", "logp", "kl"))
     assert torch.equal(out.clipped.cpu(), want["clipped"])
 
 
 def test_what_each_launch_receives(monkeypatch):
-    """The [N] vectors reach the kernels as contiguous fp32 whatever the caller's dtype, the mask as int8, each
-    launch with the configuration's warps; the backward takes the entropy term only when the entropy's gradient
-    is used (unused outputs reach backward as None, not as zeros)."""
+    """The [N] vectors reach the kernels as the caller's tensors, in their own dtype (the kernel rounds them to fp32:
+    no cast launched), the mask as the caller's bool, each launch with the configuration's warps; the backward
+    takes the entropy term only when the entropy's gradient is used (unused outputs reach backward as None, not
+    as zeros) and the loss's upstream gradient as the expanded view of a sum (stride 0, no copy)."""
     case = Case(n=10, v=30, kl="k2", alpha=0.3, entropy=True, seed=17)
     inputs = make_inputs(case, DEVICE)
     half = dict(inputs, **{k: inputs[k].to(torch.bfloat16) for k in ("old_log_probs", "advantages", "ref_log_probs")})
@@ -336,18 +337,19 @@ def test_what_each_launch_receives(monkeypatch):
     for entropy_used in (False, True):
         spies = _spy_on_kernels(monkeypatch)
         leaf = _leaf(half)
-        out, _ = _direct(leaf, ref_log_probs=leaf["ref_log_probs"], **opts)
+        out = _direct(leaf, ref_log_probs=leaf["ref_log_probs"], **opts)
         (out.loss.sum() + (out.entropy.sum() if entropy_used else 0)).backward()
         (fwd_args, fwd_kwargs), = spies["_policy_loss_fwd_kernel"].launches
         (bwd_args, bwd_kwargs), = spies["_policy_loss_bwd_kernel"].launches
         old, adv, keep, ref = fwd_args[3], fwd_args[4], fwd_args[5], fwd_args[6]
-        for vector in (old, adv, ref):
-            assert vector.dtype == torch.float32 and vector.is_contiguous() and vector.shape == (case.n,)
-        assert keep.dtype == torch.int8 and torch.equal(keep.bool(), inputs["mask"])
-        assert torch.equal(ref, half["ref_log_probs"].float()) and torch.equal(old, half["old_log_probs"].float())
+        for vector, name in ((old, "old_log_probs"), (adv, "advantages"), (ref, "ref_log_probs")):
+            assert vector.data_ptr() == leaf[name].data_ptr() and vector.dtype == torch.bfloat16
+        assert keep.data_ptr() == leaf["mask"].data_ptr() and keep.dtype == torch.bool
         assert fwd_kwargs["num_warps"] == 2 and bwd_kwargs["num_warps"] == 2
         assert fwd_kwargs["WITH_ENTROPY"] is True and fwd_kwargs["KL_MODE"] == 2
-        assert bwd_kwargs["WITH_ENTROPY_GRAD"] is entropy_used
+        assert fwd_kwargs["GRAD_IN_FORWARD"] is False
+        assert bwd_kwargs["WITH_ENTROPY_GRAD"] is entropy_used and bwd_kwargs["HAS_G_LOSS"] is True
+        assert bwd_kwargs["HAS_G_LOGP"] is False and bwd_args[10] == 0  # g_loss's stride: the expanded 1 of a sum
         assert_near_truth("triton", out, None, want, None, inputs["logits"], case.temperature)
 
 
@@ -357,12 +359,12 @@ def test_outputs_are_fp32_whatever_the_default_dtype():
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        out, bad_rows = _direct(inputs, ref_log_probs=inputs["ref_log_probs"], kl_coef=0.1, return_entropy=True)
+        out = _direct(inputs, ref_log_probs=inputs["ref_log_probs"], kl_coef=0.1, return_entropy=True)
     finally:
         torch.set_default_dtype(previous)
     for field in ("loss", "logp", "kl", "entropy"):
         assert getattr(out, field).dtype == torch.float32, field
-    assert out.clipped.dtype == torch.bool and bad_rows.dtype == torch.bool
+    assert out.clipped.dtype == torch.bool and out.status.rows.dtype == out.status.word.dtype == torch.int32
 
 
 @pytest.mark.parametrize("name,value", [(kernels.ENV_BLOCK_V, "48"), (kernels.ENV_GRID_CAP, "0")])
@@ -431,7 +433,8 @@ from triton.compiler import ASTSource
 from openrlhf_lopti.ops.triton import policy_loss as k
 
 assert not k.INTERPRETED
-INTS = {"stride_row", "grad_stride_row", "n_rows", "n_cols"}
+INTS = {"stride_row", "grad_stride_row", "n_rows", "n_cols", "col0", "g_loss_stride", "g_logp_stride",
+        "g_entropy_stride"}
 
 def signature(kernel, **pointers):
     sig = {}
@@ -444,24 +447,35 @@ def signature(kernel, **pointers):
             sig[name] = "i32" if name in INTS else ("constexpr" if name.isupper() else "fp32")
     return sig
 
-fwd_variants = [
-    ("*bf16", dict(KL_MODE=3, HAS_DUAL_CLIP=True, WITH_ENTROPY=True, BLOCK_V=4096), 8),
-    ("*fp32", dict(KL_MODE=0, HAS_DUAL_CLIP=False, WITH_ENTROPY=False, BLOCK_V=1024), 4),
-    ("*fp16", dict(KL_MODE=1, HAS_DUAL_CLIP=False, WITH_ENTROPY=True, BLOCK_V=4096), 8),
-    ("*bf16", dict(KL_MODE=2, HAS_DUAL_CLIP=True, WITH_ENTROPY=False, BLOCK_V=4096), 8),
-]
-for logits, consts, warps in fwd_variants:
-    sig = signature(k._policy_loss_fwd_kernel, logits_ptr=logits, labels_ptr="*i64", keep_ptr="*i8",
-                    clipped_ptr="*i8", bad_rows_ptr="*i8")
-    consts = dict(consts, LOG_RATIO_MAX=20.0, KL_MAX=10.0)
-    src = ASTSource(fn=k._policy_loss_fwd_kernel, signature=sig, constexprs=consts)
+from openrlhf_lopti.ops.triton import vocab_block as vb
+
+def compile(kernel, consts, warps, **pointers):
+    src = ASTSource(fn=kernel, signature=signature(kernel, **pointers), constexprs=consts)
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
-for logits, with_entropy in (("*bf16", True), ("*fp16", False), ("*fp32", True)):
-    sig = signature(k._policy_loss_bwd_kernel, logits_ptr=logits, grad_ptr=logits, labels_ptr="*i32",
-                    keep_ptr="*i8")
-    consts = dict(WITH_ENTROPY_GRAD=with_entropy, BLOCK_V=4096)
-    src = ASTSource(fn=k._policy_loss_bwd_kernel, signature=sig, constexprs=consts)
-    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["cubin"]
+
+FWD_OFF = dict(GRAD_IN_FORWARD=False, WITH_ENTROPY_WEIGHT=False)
+fwd_variants = [  # (logits, the [N] vectors' dtype, constexprs, warps): two-pass and one-pass, bool / int masks
+    ("*bf16", "*fp32", dict(KL_MODE=3, HAS_DUAL_CLIP=True, WITH_ENTROPY=True, BLOCK_V=4096, **FWD_OFF), 8),
+    ("*fp32", "*fp64", dict(KL_MODE=0, HAS_DUAL_CLIP=False, WITH_ENTROPY=False, BLOCK_V=1024, **FWD_OFF), 4),
+    ("*fp16", "*bf16", dict(KL_MODE=1, HAS_DUAL_CLIP=False, WITH_ENTROPY=True, BLOCK_V=4096, **FWD_OFF), 8),
+    ("*bf16", "*fp32", dict(KL_MODE=2, HAS_DUAL_CLIP=True, WITH_ENTROPY=False, BLOCK_V=4096,
+                            GRAD_IN_FORWARD=True, WITH_ENTROPY_WEIGHT=False), 8),
+    ("*bf16", "*fp32", dict(KL_MODE=3, HAS_DUAL_CLIP=False, WITH_ENTROPY=True, BLOCK_V=4096,
+                            GRAD_IN_FORWARD=True, WITH_ENTROPY_WEIGHT=True), 16),
+]
+for logits, vector, consts, warps in fwd_variants:
+    compile(k._policy_loss_fwd_kernel, dict(consts, LOG_RATIO_MAX=20.0, KL_MAX=10.0), warps, logits_ptr=logits,
+            grad_ptr=logits, labels_ptr="*i64", keep_ptr="*i1" if vector != "*fp64" else "*i8", old_ptr=vector,
+            adv_ptr=vector, ref_ptr=vector, clipped_ptr="*i1", status_ptr="*i32", word_ptr="*i32")
+for logits, with_entropy, has_loss, has_logp in (("*bf16", True, True, False), ("*fp16", False, True, True),
+                                                 ("*fp32", True, False, True)):
+    compile(k._policy_loss_bwd_kernel, dict(WITH_ENTROPY_GRAD=with_entropy, HAS_G_LOSS=has_loss, HAS_G_LOGP=has_logp,
+            BLOCK_V=4096), 8, logits_ptr=logits, grad_ptr=logits, labels_ptr="*i32", keep_ptr="*i1")
+for grad in ("*bf16", "*fp32"):
+    compile(k._scale_rows_kernel, dict(BLOCK_V=4096), 8, grad_ptr=grad)
+for z, with_entropy in (("*bf16", True), ("*fp16", False), ("*fp32", True)):
+    compile(vb._block_stats_kernel, dict(WITH_ENTROPY=with_entropy, BLOCK_V=4096), 8, z_ptr=z, labels_ptr="*i64")
+    compile(vb._block_grad_kernel, dict(WITH_ENTROPY_GRAD=with_entropy, BLOCK_V=4096), 8, z_ptr=z, labels_ptr="*i64")
 print("compiled")
 """
 

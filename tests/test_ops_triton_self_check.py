@@ -29,9 +29,9 @@ def fresh_cache():
 
 
 def reference_kernel(logits, labels, *args, **kwargs):
-    """The torch reference dressed as the kernel (``(out, bad_rows)``): the base of the planted kernels below,
+    """The torch reference dressed as the kernel (its output): the base of the planted kernels below,
     exact where they are not broken and far faster than the interpreted kernel."""
-    return policy_loss_from_logits(logits, labels, *args, **kwargs), torch.zeros(labels.shape, dtype=torch.bool)
+    return policy_loss_from_logits(logits, labels, *args, **kwargs)
 
 
 def test_the_kernel_passes_its_own_check():
@@ -65,8 +65,8 @@ def test_a_wrong_kernel_fails_the_check_with_its_worst_error(field, error, monke
     kernel = reference_kernel
 
     def off_by(*args, **kwargs):
-        out, bad_rows = kernel(*args, **kwargs)
-        return dataclasses.replace(out, **{field: getattr(out, field) + error}), bad_rows
+        out = kernel(*args, **kwargs)
+        return dataclasses.replace(out, **{field: getattr(out, field) + error})
 
     monkeypatch.setattr(triton_ops, "triton_policy_loss", off_by)
     result = run_self_check(CPU)
@@ -78,14 +78,14 @@ def nan_everywhere(logits, labels, *args, **kwargs):
     """NaN in every output and, through them, in every entry of the gradient."""
     nan = logits.float().sum(-1) * NAN
     no_rows = torch.zeros(labels.shape, dtype=torch.bool)
-    return PolicyLossOutput(loss=nan, logp=nan, kl=nan.detach(), clipped=no_rows, entropy=nan), no_rows
+    return PolicyLossOutput(loss=nan, logp=nan, kl=nan.detach(), clipped=no_rows, entropy=nan)
 
 
 def nan_in_one_entropy(logits, labels, *args, **kwargs):
     """The reference's outputs and gradients, but a NaN entropy in row 0 (kept or not, the reference's is finite)."""
-    out, bad_rows = reference_kernel(logits, labels, *args, **kwargs)
+    out = reference_kernel(logits, labels, *args, **kwargs)
     out.entropy = out.entropy + torch.where(torch.arange(len(labels)) == 0, NAN, 0.0)  # the gradient is unchanged
-    return out, bad_rows
+    return out
 
 
 @pytest.mark.parametrize("kernel", [nan_everywhere, nan_in_one_entropy])
@@ -97,7 +97,7 @@ def test_a_kernel_writing_nan_fails_the_check(kernel, monkeypatch):
     assert set(result.worst) == {"float32", "bfloat16", "float16"}  # every dtype reported, none dropped as NaN
     assert all(math.isinf(e) for e in result.worst.values()) and "float32 inf" in result.summary()
     logits = torch.zeros(2, 5, requires_grad=True)
-    out, _ = kernel(logits, torch.tensor([1, 2]), torch.zeros(2), torch.ones(2), torch.ones(2), return_entropy=True)
+    out = kernel(logits, torch.tensor([1, 2]), torch.zeros(2), torch.ones(2), torch.ones(2), return_entropy=True)
     if kernel is nan_everywhere:  # the plant is what it says: NaN outputs and NaN gradients
         out.loss.sum().backward()
         assert torch.isnan(out.loss).all() and torch.isnan(logits.grad).all()
@@ -154,11 +154,11 @@ def test_a_gradient_wrong_in_the_last_row_fails_the_check_when_the_reference_run
     assert len(self_check._row_chunks(case)) == 6
 
     def last_row_off(logits, labels, *args, **kwargs):
-        out, bad_rows = reference_kernel(logits, labels, *args, **kwargs)
+        out = reference_kernel(logits, labels, *args, **kwargs)
         column = logits[:, 0].float()
         # the same values; the gradient of row N-1, column 0 moves by 0.1 * its loss weight
         out.loss = out.loss + 0.1 * (column - column.detach()) * (torch.arange(len(labels)) == len(labels) - 1)
-        return out, bad_rows
+        return out
 
     monkeypatch.setattr(triton_ops, "triton_policy_loss", last_row_off)
     assert not run_self_check(CPU, [case]).ok
@@ -204,6 +204,47 @@ def test_a_kernel_that_cannot_run_fails_the_check_without_raising(monkeypatch):
     result = run_self_check(CPU)
     assert not result.ok and result.error == "RuntimeError: PTX JIT compilation failed"
     assert "could not run (RuntimeError: PTX JIT compilation failed)" in result.summary()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_the_check_passes_when_its_first_caller_runs_without_grad(mode):
+    """A trainer's first loss-head call is often its log-prob pass, under no_grad or inference_mode: the check's own
+    backward must run anyway. It used to raise there ("element 0 of tensors does not require grad"), and the failure
+    was cached as a failed check: `auto` then used the torch reference for the whole process."""
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with context:
+        assert triton_verified(CPU), self_check._VERIFIED[str(CPU)].summary()
+        assert not torch.is_grad_enabled()  # the caller's mode is left as it was
+    assert self_check._VERIFIED[str(CPU)].error is None
+
+
+def test_an_error_of_the_harness_is_raised_never_cached_as_a_failed_kernel(monkeypatch):
+    """Only the kernel's own failures make a failed check. An exception in the reference (or the inputs, or the
+    comparison) is our bug: it propagates, and nothing is cached, so the next call checks again."""
+
+    def broken_reference(inputs, case):
+        raise RuntimeError("the harness broke")
+
+    monkeypatch.setattr(self_check, "_reference", broken_reference)
+    with pytest.raises(RuntimeError, match="the harness broke"):
+        triton_verified(CPU)
+    assert str(CPU) not in self_check._VERIFIED
+    monkeypatch.undo()
+    assert triton_verified(CPU)
+
+
+def test_a_kernel_that_flags_good_rows_fails_the_check(monkeypatch):
+    """Status bits set on valid inputs would NaN those rows in training: the check compares them like any output."""
+    real = triton_ops.triton_policy_loss
+
+    def flags_row_0(logits, labels, *args, **kwargs):
+        out = real(logits, labels, *args, **kwargs)
+        poison = torch.where(torch.arange(len(labels), device=labels.device) == 0, NAN, 1.0)
+        out.loss, out.logp = out.loss * poison, out.logp * poison
+        return out
+
+    monkeypatch.setattr(triton_ops, "triton_policy_loss", flags_row_0)
+    assert not run_self_check(CPU, QUICK_CASES[:1]).ok
 
 
 def test_auto_uses_triton_on_a_cuda_device_only_after_the_check_passes(monkeypatch, capsys):
@@ -275,10 +316,10 @@ def test_rounding_left_where_the_reference_gradient_cancels_to_zero_passes_and_a
 
     def kernel_off_by(offset):
         def kernel(logits, *args, **kwargs):
-            out, bad_rows = reference_kernel(logits, *args, **kwargs)
+            out = reference_kernel(logits, *args, **kwargs)
             # the gradient moves by `offset` per unit of the logp's upstream gradient: the forward values are unchanged
             out.logp = out.logp + offset * (logits.float().sum(-1) - logits.float().sum(-1).detach())
-            return out, bad_rows
+            return out
 
         return kernel
 

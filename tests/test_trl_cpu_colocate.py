@@ -157,3 +157,25 @@ def test_what_cannot_run_on_cpu_is_refused_in_one_line(tmp_path, options, messag
     with pytest.raises(ValueError) as error:
         LoptiGRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, report_to="none", **options)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_vllm_dtype_reaches_the_engine_and_is_never_dropped(monkeypatch):
+    """``vllm_dtype`` is added to TRL's ``LLM(...)`` call; a dtype TRL passes itself is compared, not silently
+    replaced. (Before: ``functools.partial(LLM, dtype=...)``, whose dtype a call's own dtype overrides.)"""
+    from types import SimpleNamespace
+
+    from trl.generation import vllm_generation
+
+    from openrlhf_lopti.trl.cpu_colocate import colocated_engine
+
+    calls = []
+    monkeypatch.setattr(vllm_generation, "LLM", lambda *a, **k: calls.append(k))
+    args = SimpleNamespace(use_vllm=True, vllm_mode="colocate", vllm_dtype="float32", device=torch.device("cuda"))
+    with colocated_engine(args):
+        vllm_generation.LLM(model="m")
+        vllm_generation.LLM(model="m", dtype="float32")
+        with pytest.raises(ValueError, match=r"^vllm_dtype='float32', but TRL builds its vLLM engine with "
+                                             r"dtype='bfloat16'") as info:  # fmt: skip
+            vllm_generation.LLM(model="m", dtype="bfloat16")
+    assert "\n" not in str(info.value)
+    assert calls == [{"model": "m", "dtype": "float32"}] * 2

@@ -5,7 +5,12 @@ global batch (both ranks' micro-batches, with their rollout log-probs and advant
 - both ranks decide the same threshold, the quantile of the whole batch's token probabilities;
 - each rank's phase masks are its tokens below / at or above it, and the ranks' counts add up to the logged global
   counts, which are the one process's;
-- the ranks' update (DDP's mean of their gradients) is the one process's update of the whole batch.
+- the ranks' update (DDP's mean of their gradients) is the one process's update of the whole batch;
+- a resume from a mid-round checkpoint without the last process's round file fails on every process with the same
+  line naming the missing file (before: that process raised alone and the others went on into training, to wait in
+  their first collective);
+- a reward function that returns -inf for a completion of the last process only fails the generation on every
+  process with the same line.
 """
 
 import os
@@ -25,7 +30,8 @@ from .test_trl_trainer import tok  # noqa: E402, F401 (a fixture)
 from .trl_ranks import QUANTILE, build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = ("lopti_phase_1", "lopti_phase_2", "lopti_phase", "lopti_phase_mask")  # added by the trainer to TRL's batch
+OURS = ("lopti_phase_1", "lopti_phase_2", "lopti_tokens_1", "lopti_tokens_2", "lopti_phase", "lopti_phase_mask",
+        "lopti_phase_tokens")  # added by the trainer to TRL's batch
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +103,21 @@ def test_two_processes_decide_one_round_and_make_one_processs_update(ranks, tok,
         # ulps of the parameter (seen: below 1 ulp), where a wrong normalisation would be off by the step itself
         assert (ours.detach() - theirs).abs().max() <= 4 * ulp * theirs.abs().max(), i
     assert any((ours.detach() - p0).abs().max() > 0 for p0, ours in zip(initial, one.model.parameters()))
+
+
+def test_a_checkpoint_without_a_processs_round_fails_every_process_in_one_line(ranks):
+    assert [run["round_files"] for run in ranks] == [["lopti_round-0.pt", "lopti_round-1.pt"]] * 2  # both saved
+    messages = {run["resume_error"] for run in ranks}
+    assert len(messages) == 1, messages  # the same line on every process
+    message = messages.pop()
+    assert "holds the Lopti round of processes [0] but not of [1] (lopti_round-1.pt)" in message, message
+    assert message.startswith("resume_from_checkpoint: ") and "\n" not in message
+
+
+def test_a_bad_reward_on_one_process_fails_every_process_in_one_line(ranks):
+    """(A check of each process's own rows only passed every one-process test.)"""
+    messages = {run["reward_error"] for run in ranks}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "'last_process_only' returned -inf for completion 4 of the generation batch" in message, message
+    assert "\n" not in message

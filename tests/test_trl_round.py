@@ -6,8 +6,10 @@
 - both phases of a round train at one learning rate: the LR schedule moves once per round;
 - ``track_direction`` logs ``direction/*`` over the round's tokens;
 - a run resumed from a checkpoint cut mid-round trains every later optimizer step on the phase, learning rate and
-  batch of the uninterrupted run; a mid-round checkpoint without its round is refused in one line;
-- ``max_steps`` derived from ``num_train_epochs`` is whole rounds.
+  batch of the uninterrupted run; a mid-round checkpoint without its round, or resumed under settings other than
+  those its round was saved under, is refused in one line; the round is in the checkpoint before it is pushed;
+- ``max_steps`` derived from ``num_train_epochs`` is whole rounds;
+- a phase without tokens takes no optimizer step (tests/test_lopti_round_contract.py, with the other front ends).
 """
 
 import os
@@ -114,12 +116,16 @@ def test_track_direction_logs_the_rounds_fig3_counts(tmp_path, tok):
 
 
 class StepLog(LoptiGRPOTrainer):
-    """Records, per micro-step, ``(optimizer step, phase, learning rate)`` and the micro-batch's completions."""
+    """Records, per micro-step, ``(optimizer step, phase, learning rate)`` and the micro-batch's completions; and the
+    files of each checkpoint when TRL pushes it (``push_to_hub``)."""
 
     def _compute_loss(self, model, inputs):
         self.steps.append((self.state.global_step, inputs["lopti_phase"], self.optimizer.param_groups[0]["lr"]))
         self.completions.append(inputs["completion_ids"].clone())
         return super()._compute_loss(model, inputs)
+
+    def _push_from_checkpoint(self, checkpoint_folder):  # TRL's pushes the folder's files to the Hub
+        self.pushed[os.path.basename(checkpoint_folder)] = sorted(os.listdir(checkpoint_folder))
 
 
 def step_log(cfg, tok, model):
@@ -129,6 +135,11 @@ def step_log(cfg, tok, model):
     return trainer
 
 
+def cut_settings(out, **changed) -> dict:
+    return settings(out, **{**dict(max_steps=6, gradient_accumulation_steps=1, steps_per_generation=1, lopti_eta=0.5,
+                                   lr_scheduler_type="linear", save_strategy="steps", save_steps=3), **changed})
+
+
 @pytest.fixture(scope="module")
 def cut_run(tmp_path_factory, tok):
     """3 rounds of 2 optimizer steps (one per phase), linear LR decay, a checkpoint at step 3: after round 1's
@@ -136,11 +147,11 @@ def cut_run(tmp_path_factory, tok):
     out = tmp_path_factory.mktemp("cut")
     start = out / "tiny"
     tiny_model(tok).save_pretrained(start)
-    cfg = LoptiGRPOConfig(**settings(out, max_steps=6, gradient_accumulation_steps=1, steps_per_generation=1,
-                                     lopti_eta=0.5, lr_scheduler_type="linear", save_strategy="steps",
-                                     save_steps=3))  # fmt: skip
+    cfg = LoptiGRPOConfig(**cut_settings(out))
     whole = step_log(cfg, tok, str(start))
+    whole.pushed, cfg.push_to_hub = {}, True  # set after __init__, which would create the Hub repository
     whole.train()
+    cfg.push_to_hub = False  # the later trainers of this config push nothing
     return cfg, str(start), whole
 
 
@@ -162,6 +173,33 @@ def test_a_run_resumed_mid_round_trains_every_step_as_the_uninterrupted_run(cut_
         assert torch.allclose(a, b, rtol=0, atol=1e-6)
     assert os.path.exists(os.path.join(checkpoint, "lopti_round-0.pt"))  # cut mid-round: the round is saved
     assert not os.path.exists(os.path.join(cfg.output_dir, "checkpoint-6", "lopti_round-0.pt"))  # a round's end
+
+
+def test_the_round_is_in_the_checkpoint_before_it_is_pushed(cut_run):
+    """(Before: the round file was written after TRL's checkpoint had pushed the folder: a checkpoint pulled from the
+    Hub lacked it.)"""
+    _, _, whole = cut_run
+    assert "lopti_round-0.pt" in whole.pushed["checkpoint-3"], whole.pushed
+    assert "lopti_round-0.pt" not in whole.pushed["checkpoint-6"]  # a round's end: no round to carry
+
+
+@pytest.mark.parametrize(
+    "changed, saved",
+    [(dict(lopti_eta=0.3), "lopti_eta=0.5"), (dict(steps_per_generation=2, max_steps=12), "steps_per_generation=1")],
+    ids=["eta", "steps_per_generation"],
+)
+def test_a_resume_under_other_settings_is_refused_naming_the_setting_and_both_values(cut_run, tok, changed, saved):
+    """The round file holds the settings its batch and phases mean something under. (Before: another eta trained
+    the rest of the round on the old threshold's phases without a word; another steps_per_generation
+    ended in an IndexError inside TRL's loop.)"""
+    cfg, start, _ = cut_run
+    other = LoptiGRPOConfig(**cut_settings(cfg.output_dir, **changed))
+    key = next(iter(changed))
+    with pytest.raises(ValueError) as info:
+        step_log(other, tok, start).train(resume_from_checkpoint=os.path.join(cfg.output_dir, "checkpoint-3"))
+    message = str(info.value)
+    assert f"was saved with {saved}, this run has {key}={changed[key]}" in message, message
+    assert message.startswith("resume_from_checkpoint: ") and "\n" not in message
 
 
 def test_a_mid_round_checkpoint_without_its_round_is_refused(cut_run, tok, tmp_path):

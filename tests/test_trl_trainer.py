@@ -86,15 +86,16 @@ def train(cls, config, tok, dataset=None, reward=distinct_words, model=None):
     return initial, trainer, trainer.recorded
 
 
-def hand_round(tok, initial, recorded, cfg, dtype, denominators="all", beta=None):
+def hand_round(tok, initial, recorded, cfg, dtype, denominators="all", beta=None, build=tiny_model, aux_coef=0.0):
     """The round the recorded micro-batches define, written out in plain torch: per micro-batch the clipped
     surrogate of paper Eq. 1 with the AR weight of Eq. 4, on the micro-batch's Lopti phase tokens, normalised as
     TRL's ``cfg.loss_type`` does over every response token (``denominators="phase"``: over the phase's tokens,
     the planted bug), plus ``beta`` (default ``cfg.beta``) times the k3 KL to the recorded reference log-probs
-    (times the ratio with TRL's ``use_bias_correction_kl``), minus TRL's entropy bonus;
-    ``cfg.gradient_accumulation_steps`` micro-batches per SGD step. Returns the parameters."""
+    (times the ratio with TRL's ``use_bias_correction_kl``), minus TRL's entropy bonus, plus ``aux_coef`` times a
+    MoE model's router load-balancing loss of the forward; ``cfg.gradient_accumulation_steps`` micro-batches per
+    SGD step, on the model ``build(tok)`` makes. Returns the parameters."""
     beta = cfg.beta if beta is None else beta
-    model = tiny_model(tok)
+    model = build(tok)
     model.load_state_dict(initial)
     model = model.to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -110,7 +111,8 @@ def hand_round(tok, initial, recorded, cfg, dtype, denominators="all", beta=None
             ids = torch.cat([inp["prompt_ids"], inp["completion_ids"]], 1)
             attention = torch.cat([inp["prompt_mask"], inp["completion_mask"]], 1)
             t = inp["completion_ids"].size(1)
-            logits = model(input_ids=ids, attention_mask=attention).logits[:, -t - 1 : -1].to(dtype)
+            out = model(input_ids=ids, attention_mask=attention, **({"output_router_logits": True} if aux_coef else {}))
+            logits = out.logits[:, -t - 1 : -1].to(dtype)
             logp = torch.log_softmax(logits / cfg.temperature, -1).gather(-1, inp["completion_ids"][..., None])[..., 0]
             old = inp["old_per_token_logps"].to(dtype)
             mask = inp["completion_mask"].to(dtype)
@@ -138,6 +140,8 @@ def hand_round(tok, initial, recorded, cfg, dtype, denominators="all", beta=None
                 probs = torch.softmax(logits / cfg.temperature, -1)
                 entropy = -(probs * torch.log_softmax(logits / cfg.temperature, -1)).sum(-1)
                 loss = loss - cfg.entropy_coef * (entropy * phase).sum() / mask.sum().clamp(min=1) / ga
+            if aux_coef:  # TRL's router aux loss: in every micro-batch (each Lopti phase), over all its tokens
+                loss = loss + aux_coef * out.aux_loss / ga
             loss.backward()
         with torch.no_grad():
             for p in params:
@@ -159,12 +163,17 @@ def update_errors(initial, ours, ref32, ref64) -> list:
     return out
 
 
+def metric_names(trainer) -> set:
+    """Every key the run logged."""
+    return {key for entry in trainer.state.log_history for key in entry}
+
+
 def trained_params(trainer):
     return [p.detach() for p in trainer.model.parameters() if p.requires_grad]
 
 
-def initial_params(tok, initial):
-    model = tiny_model(tok)
+def initial_params(tok, initial, build=tiny_model):
+    model = build(tok)
     model.load_state_dict(initial)
     return [p.detach() for p in model.parameters() if p.requires_grad]
 
@@ -251,6 +260,7 @@ def test_off_equals_trl_grpo_trainer(tmp_path, tok, options):
         for i, (err, err_ref, allowed) in enumerate(update_errors(p0, trained_params(trainer), ref32, ref64)):
             assert err <= allowed, f"{name} param {i}: update off by {err:.3g} (hand fp32 {err_ref:.3g})"
     assert any((a - b).abs().max() > 0 for a, b in zip(trained_params(ours), p0)), "the step moved nothing"
+    assert metric_names(ours) == metric_names(theirs)  # TRL's metrics, every one (entropy_coef, clip_ratio/low_min, ...)
     if cfg.beta:  # the KL term is in both updates: the hand round without it is another update
         no_kl64 = hand_round(tok, ours_initial, ours_inputs, cfg, torch.float64, beta=0.0)
         errors = update_errors(p0, trained_params(ours), ref32, ref64)
@@ -322,14 +332,10 @@ def test_kk_run_checkpoint_and_metrics(tmp_path, tok):
         (dict(lopti_quantile=1.0), "lopti_quantile"),
         (dict(lopti_eta=0.5, lopti_quantile=0.3), "lopti_eta=0.5 and lopti_quantile=0.3 are two Lopti thresholds"),
         (dict(loss_backend="cuda"), "loss_backend"),
-        (dict(ar_alpha=0.3, fused_loss=False), "fused_loss"),
-        (dict(loss_type="cispo"), "loss_type"),
-        (dict(loss_type="sapo"), "loss_type"),
-        (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
-        (dict(delta=2.0), "delta"),
-        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
-        (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
-        (dict(lopti_eta=0.5, top_entropy_quantile=0.2), "top_entropy_quantile"),
+        (dict(fused_lm_head=True, fused_loss=False), "fused_lm_head=True needs fused_loss=True"),
+        (dict(fused_lm_head=True, loss_type="cispo"), "fused_lm_head=True with loss_type='cispo'"),
+        (dict(fused_lm_head=True, importance_sampling_level="sequence"), "fused_lm_head=True with importance_sampling"),
+        (dict(lopti_eta=0.5, top_entropy_quantile=0.2), "top_entropy_quantile=0.2 with lopti_eta / lopti_quantile"),
         (dict(lopti_eta=0.5, gradient_accumulation_steps=4), "gradient_accumulation_steps"),
         (dict(fused_lm_head=True, cast_lm_head_to_fp32=True), "cast_lm_head_to_fp32"),
     ],
@@ -404,3 +410,27 @@ def test_same_update_as_local_trainer(tmp_path, tok):
     for name, params in (("TRL", trained_params(trainer)), ("local", local_params)):
         for i, (err, err_ref, allowed) in enumerate(update_errors(p0, params, ref32, ref64)):
             assert err <= allowed, f"{name} param {i}: update off by {err:.3g} (hand fp32 {err_ref:.3g})"
+
+
+def test_a_bad_value_raises_before_the_optimizer_step_naming_where(tmp_path, tok, capsys):
+    """The fused loss's value checks are read before each optimizer step (a pre-hook on the optimizer), not in the
+    call: a non-finite advantage planted in the first micro-step raises at the first step, naming the optimizer
+    step, the Lopti phase, the micro-step and the row; no weight has moved. The backend that ran is printed once."""
+
+    class Poisoned(LoptiGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            advantages = inputs["advantages"].clone()
+            advantages[0] = float("nan")  # the first completion's advantage
+            return super()._compute_loss(model, dict(inputs, advantages=advantages))
+
+    config = LoptiGRPOConfig(**settings(tmp_path, ar_alpha=0.3, lopti_eta=0.5, max_steps=2))
+    trainer = Poisoned(model=tiny_model(tok), reward_funcs=[distinct_words], args=config, train_dataset=kk_dataset(),
+                       processing_class=tok)  # fmt: skip
+    initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^advantages must be finite .* \(row \d+ at optimizer step 1, Lopti phase "
+                                         r"'low', micro-step 1\)$"):  # fmt: skip
+        trainer.train()
+    assert all(torch.equal(v, initial[k]) for k, v in trainer.model.state_dict().items())
+    printed = [line for line in capsys.readouterr().out.splitlines() if "fused loss ran on the" in line]
+    assert printed == ["[openrlhf-lopti] TRL fused loss ran on the torch backend; value checks are read before each "
+                       "optimizer step"]  # fmt: skip

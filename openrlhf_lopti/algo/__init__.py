@@ -15,6 +15,7 @@ from .lopti_round import (
     lopti_on,
     lopti_phases,
     lopti_settings,
+    phase_gradient,
     plan_round,
     round_threshold,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "lopti_phases",
     "lopti_on",
     "lopti_settings",
+    "phase_gradient",
     "plan_round",
     "policy_loss_from_logits",
     "policy_loss_from_logp",

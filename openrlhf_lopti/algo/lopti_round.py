@@ -220,6 +220,11 @@ def _jagged_offsets(old_log_probs: torch.Tensor, response_mask: Optional[torch.T
                 f"{name}: a nested round needs old_log_probs and response_mask both as jagged nested tensors [B, j] "
                 f"(torch.nested, layout=torch.jagged), got a {kind} tensor of {tensor.dim()} dims"
             )
+        if tensor.lengths() is not None:  # its values() hold the gaps between rows too: they would count as tokens
+            raise ValueError(
+                f"{name}: a nested round needs contiguous jagged rows (values() holding exactly the rows' tokens), "
+                "got a non-contiguous jagged tensor (with lengths(), e.g. from narrow()): pass it .contiguous()"
+            )
     offsets = old_log_probs.offsets()
     if response_mask is not None and not torch.equal(response_mask.offsets().to(offsets.device), offsets):
         raise ValueError("response_mask must have the rows of old_log_probs: their nested offsets differ")
@@ -244,3 +249,21 @@ def lopti_phases(
             log-probs on masked tokens.
     """
     return [phase.mask for phase in plan_round(old_log_probs, response_mask, LoptiSettings(eta, order, quantile)).phases]
+
+
+def phase_gradient(values: torch.Tensor, phase_mask: torch.Tensor) -> torch.Tensor:
+    """``values`` whose gradient flows only at the phase's tokens: what a phase trains when a loss term of one token
+    reads other tokens' values (a sequence-level importance ratio, TRL's loss options; docs/LOPTI_ROUND.md).
+
+    The other tokens keep their values (a sequence ratio stays the whole sequence's) but are constants of the
+    phase, so the two phases' gradients at the same weights add up to one plain pass's gradient. For a loss whose
+    token terms read only their own token it is the phase's masking, as far as gradients go.
+
+    Args:
+        values: ``[B, T]`` per-token values of the current policy (log-probs, entropies), with gradient.
+        phase_mask: ``[B, T]`` bool, the phase's tokens (:attr:`Phase.mask`).
+
+    Returns:
+        ``[B, T]``: ``values``, with gradient where ``phase_mask`` is True only.
+    """
+    return torch.where(phase_mask.to(values.device), values, values.detach())

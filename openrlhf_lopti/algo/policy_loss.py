@@ -31,7 +31,7 @@ Non-finite logits (what every backend of ``ops.fused_policy_loss`` must reproduc
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -230,7 +230,7 @@ def check_logit_rows(bad_rows: torch.Tensor, logits: torch.Tensor, temperature: 
         raise bad_logit_row_error(first, logits[first], temperature)
 
 
-def policy_loss_from_logits(
+def policy_loss_and_bad_rows(
     logits: torch.Tensor,
     labels: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -246,22 +246,13 @@ def policy_loss_from_logits(
     kl_estimator: str = "k3",
     temperature: float = 1.0,
     return_entropy: bool = False,
-) -> PolicyLossOutput:
-    """The whole loss head from logits, eager torch: the reference of ``ops.fused_policy_loss``.
-
-    Materialises fp32 ``[N, V]`` temporaries; the fused kernels compute the same numbers without them.
-    Shapes: ``logits [N, V]``, every other tensor ``[N]``. Masked rows give 0 in every output field and
-    no gradient. -inf logits are legal and exact; the module docstring defines a -inf at the label.
-    Other arguments as :func:`policy_loss_from_logp`.
-
-    Raises:
-        ValueError: an unmasked logits row holds a NaN or +inf, or only -inf (:func:`check_logit_rows`).
-    """
+) -> Tuple[PolicyLossOutput, torch.Tensor]:
+    """:func:`policy_loss_from_logits` without its check: the output and the ``[N]`` bool flags of the unmasked rows
+    without a finite log-sum-exp (the caller decides when to read them; nothing here syncs with the host)."""
     if mask is not None:
         # Masked rows may be padding with garbage logits; zero them so nothing non-finite reaches autograd.
         logits = torch.where(mask.bool().unsqueeze(-1), logits, logits.new_zeros(()))
     logp, entropy = token_logprobs(logits, labels, temperature)
-    check_logit_rows(torch.isnan(entropy), logits, temperature)  # masked rows were zeroed: never flagged
     out = policy_loss_from_logp(
         logp,
         old_log_probs,
@@ -277,4 +268,29 @@ def policy_loss_from_logits(
     )
     if return_entropy:
         out.entropy = entropy if mask is None else torch.where(mask.bool(), entropy, entropy.new_zeros(()))
+    return out, torch.isnan(entropy)  # masked rows were zeroed: never flagged
+
+
+def policy_loss_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    **options,
+) -> PolicyLossOutput:
+    """The whole loss head from logits, eager torch: the reference of ``ops.fused_policy_loss``.
+
+    Materialises fp32 ``[N, V]`` temporaries; the fused kernels compute the same numbers without them.
+    Shapes: ``logits [N, V]``, every other tensor ``[N]``. Masked rows give 0 in every output field and
+    no gradient. -inf logits are legal and exact; the module docstring defines a -inf at the label.
+    ``options``: ``ref_log_probs``, ``alpha``, ``eps_low``, ``eps_high``, ``dual_clip``, ``kl_coef``,
+    ``kl_estimator`` as :func:`policy_loss_from_logp`; ``temperature`` and ``return_entropy`` as
+    :func:`policy_loss_and_bad_rows`.
+
+    Raises:
+        ValueError: an unmasked logits row holds a NaN or +inf, or only -inf (:func:`check_logit_rows`).
+    """
+    out, bad_rows = policy_loss_and_bad_rows(logits, labels, old_log_probs, advantages, mask, **options)
+    check_logit_rows(bad_rows, logits, options.get("temperature", 1.0))
     return out

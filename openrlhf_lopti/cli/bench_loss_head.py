@@ -7,11 +7,20 @@ Backends (``--backends``, comma-separated):
 - ``openrlhf``: (a) what OpenRLHF's actor does: ``logits.to(float32)`` (and ``div_(T)``), its
   ``log_probs_from_logits``, ``PolicyLoss`` (ppo) + ``kl_coef * masked_mean(compute_approx_kl(k3))``.
 - ``torch``: (b) our eager reference (``openrlhf_lopti.algo.policy_loss_from_logits``).
-- ``triton``: (c) our fused kernel. On CPU it runs under ``TRITON_INTERPRET=1`` (numpy emulation): that row
-  shows it runs and agrees, its time and memory are not kernel figures.
+- ``triton``: (c) our fused kernel, value checks read in the call (``check="eager"``: one 4-byte read).
+  ``triton-step``: the same with the checks read once after the backward, as a trainer reads them before its
+  optimizer step (``check="step"``: no host sync in the call). ``triton-onepass``: the one-pass head (the token
+  mean's weights given up front: the forward writes the gradient, the backward scales it), checks at the step.
+  On CPU they run under ``TRITON_INTERPRET=1`` (numpy emulation): those rows show they run and agree, their time
+  and memory are not kernel figures.
 - ``liger``: (d) Liger-Kernel's Triton GRPO loss (``triton_grpo_loss``, loss_type="bnpo", alpha = 0), when
   installed and on CUDA. Its inputs are laid out ``[B, L+1, V]`` as it requires (a separate buffer).
 - ``cpp``: our C++ kernel, when built (``benchmarks/bench_cpu_policy_loss.py`` is its own benchmark).
+
+Every row of ours records ``backend_ran``, the backend the op reports it ran (``LossHeadOutput.backend``), and a row
+whose backend differs from its label (``auto`` falling back, say) is refused: its status says so and the run exits
+1. On a GPU, ``syncs`` records whether one ``triton-step`` call (forward and backward) ran under
+``torch.cuda.set_sync_debug_mode("error")`` without a host sync.
 
 Each row is one forward + backward of the token-mean loss w.r.t. the logits. Time: median of ``--repeats``
 runs after ``--warmup`` (``time.perf_counter``, with ``torch.cuda.synchronize`` on GPU). Peak memory: on
@@ -50,8 +59,8 @@ def default_results_dir() -> Path:
 
 
 RESULTS_DIR = default_results_dir()
-ALL_BACKENDS = ("openrlhf", "torch", "triton", "liger", "cpp")
-OURS = ("torch", "triton", "cpp")
+ALL_BACKENDS = ("openrlhf", "torch", "triton", "triton-step", "triton-onepass", "liger", "cpp")
+OURS = ("torch", "triton", "triton-step", "triton-onepass", "cpp")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Peak memory bandwidth in bytes/s, by a substring of torch.cuda.get_device_name (first match wins).
 PEAK_BANDWIDTH = (
@@ -62,13 +71,14 @@ PEAK_BANDWIDTH = (
     ("A100-PCIE-40GB", 1.555e12),
     ("A100", 2.0e12),
 )
-# The issue's goals on an H100 (benchmarks/RESULTS.md).
+# The issues' goals on an H100 (benchmarks/RESULTS.md; issue 44 for the last three): measured on our fastest row.
 GOALS = {
     "speedup_vs_openrlhf": 5.0,
     "memory_reduction_vs_openrlhf": 4.0,
-    "speedup_vs_liger": 1.2,
+    "speedup_vs_liger": 1.5,
     "bandwidth_share_of_peak": 0.85,
     "ar_cost_fraction": 0.01,
+    "share_of_one_pass_floor": 0.8,
 }
 
 
@@ -124,11 +134,12 @@ def make_inputs(cfg: Config) -> dict:
     }
 
 
-def required_bytes(cfg: Config, n_kept: int) -> int:
-    """Bytes any implementation must move: kept rows' logits read twice (forward, backward), the gradient
-    written once (all rows), and per token: label 8, old/ref log-prob and advantage 4 each, mask 1, loss 4."""
+def required_bytes(cfg: Config, n_kept: int, reads: int = 2) -> int:
+    """Bytes an implementation moves: kept rows' logits read ``reads`` times (2: forward and backward; 1: the
+    one-pass floor, each row read once while its gradient is written), the gradient written once (all rows), and
+    per token: label 8, old/ref log-prob and advantage 4 each, mask 1, loss 4."""
     element = torch.finfo(cfg.dtype).bits // 8
-    return (2 * n_kept + cfg.n) * cfg.v * element + cfg.n * (8 + 4 + 4 + 4 + 1 + 4)
+    return (reads * n_kept + cfg.n) * cfg.v * element + cfg.n * (8 + 4 + 4 + 4 + 1 + 4)
 
 
 def peak_bandwidth(device_name: str) -> Optional[float]:
@@ -180,20 +191,51 @@ def _step_openrlhf(cfg: Config, data: dict) -> Callable:
     return step
 
 
-def _step_ours(cfg: Config, data: dict, backend: str, alpha: float) -> Callable:
-    from openrlhf_lopti.ops import fused_policy_loss
+def _step_ours(cfg: Config, data: dict, name: str, alpha: float, ran: list) -> Callable:
+    """One step of our variant ``name`` (``<backend>[-step|-onepass]``); appends the backend that ran to ``ran``."""
+    from openrlhf_lopti.ops import StepChecks, fused_policy_loss
+
+    backend, _, variant = name.partition("-")
+    check = "eager" if not variant else "step"
+    tokens = data["mask"].sum()
+    weights = data["mask"].float() / tokens if variant == "onepass" else None
 
     def step(logits):
+        checks = StepChecks()
         out = fused_policy_loss(
             logits, data["labels"], data["old_log_probs"], data["advantages"], data["mask"],
             ref_log_probs=data["ref_log_probs"], alpha=alpha, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-            kl_coef=cfg.kl_coef, kl_estimator="k3", temperature=cfg.temperature, backend=backend,
+            kl_coef=cfg.kl_coef, kl_estimator="k3", temperature=cfg.temperature, backend=backend, check=check,
+            loss_weights=weights,
         )  # fmt: skip
-        loss = out.loss.sum() / data["mask"].sum()
+        checks.add(out.status, "the benchmark's step")
+        loss = out.reduced if weights is not None else out.loss.sum() / tokens
         loss.backward()
+        if check == "step":
+            checks.raise_if_bad()  # what a trainer reads before its optimizer step
+        ran.append(out.backend)
         return loss.detach()
 
     return step
+
+
+def sync_free(step: Callable, leaf: torch.Tensor) -> Optional[bool]:
+    """Whether one ``step`` (forward and backward) runs under ``torch.cuda.set_sync_debug_mode("error")``: True,
+    False (a host sync was made), or None off CUDA."""
+    if not leaf.is_cuda:
+        return None
+    leaf.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(leaf)
+    except RuntimeError as error:
+        if "synchroniz" not in str(error):
+            raise
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return True
 
 
 def _liger_loss_fn() -> Callable:
@@ -289,11 +331,12 @@ def run_backend(name: str, cfg: Config, data: dict, args, alpha: float) -> dict:
         row["note"] = "log-probs: " + (
             "flash-attn Triton cross-entropy" if _flash_attn_cross_entropy() else "torch fallback, no flash-attn"
         )
-    if name == "triton" and not cfg.device.startswith("cuda"):
+    if name.startswith("triton") and not cfg.device.startswith("cuda"):
         row["note"] = "TRITON_INTERPRET=1 (numpy emulation on CPU): time and memory are not kernel figures"
 
     leaf = data["logits"].detach().requires_grad_(True)
     extra = None
+    ran: list = []
     try:
         if name == "openrlhf":
             step = _step_openrlhf(cfg, data)
@@ -304,9 +347,11 @@ def run_backend(name: str, cfg: Config, data: dict, args, alpha: float) -> dict:
             leaf = extra.requires_grad_(True)
             step = _step_liger(cfg, data, leaf)
         else:
-            step = _step_ours(cfg, data, name, alpha)
+            step = _step_ours(cfg, data, name, alpha, ran)
         median, best, loss = _time(step, leaf, cfg.device, args.warmup, args.repeats)
         peak, method = _measure_peak(step, leaf, cfg.device)
+        if name == "triton-step":
+            row["syncs_free"] = sync_free(_step_ours(cfg, data, name, alpha, []), leaf)
     except ImportError as error:  # an installed package without that backend's extra (openrlhf, triton)
         return dict(row, status=f"not installed ({error.name or error})")
     except torch.cuda.OutOfMemoryError:
@@ -319,6 +364,11 @@ def run_backend(name: str, cfg: Config, data: dict, args, alpha: float) -> dict:
         if cfg.device.startswith("cuda"):
             torch.cuda.empty_cache()
     row.update(time_s=median, time_min_s=best, loss=loss, peak_bytes=peak, memory_method=method)
+    if name in OURS:
+        label = name.partition("-")[0]
+        row["backend_ran"] = sorted(set(ran))
+        if row["backend_ran"] != [label]:  # a figure must say what ran: a fallback is not this row's figure
+            return dict(row, status=f"refused: the op ran {row['backend_ran']}, this row is labelled {label}")
     return row
 
 
@@ -332,9 +382,11 @@ def summarize(rows: list, cfg: Config, device_name: str, n_kept: int) -> dict:
             row["bandwidth_share"] = None if peak_bw is None else row["bandwidth_Bps"] / peak_bw
     ok = {(r["backend"], r["alpha"]): r for r in rows if r["status"] == "ok"}
     base = ok.get(("openrlhf", cfg.alpha))
-    kernel = ok.get(("triton", cfg.alpha))
+    ours = [ok[(name, cfg.alpha)] for name in ("triton", "triton-step", "triton-onepass") if (name, cfg.alpha) in ok]
+    kernel = min(ours, key=lambda r: r["time_s"]) if ours else None  # our fastest Triton variant
     liger = ok.get(("liger", cfg.alpha))
-    kernel_ar = ok.get(("triton", cfg.ar_alpha))
+    kernel_ar = ok.get((kernel["backend"], cfg.ar_alpha)) if kernel else None
+    floor_s = None if peak_bw is None else required_bytes(cfg, n_kept, reads=1) / peak_bw
     if not cfg.device.startswith("cuda"):  # CPU figures say nothing about the GPU goals
         base = kernel = liger = kernel_ar = None
     measured = {
@@ -349,30 +401,39 @@ def summarize(rows: list, cfg: Config, device_name: str, n_kept: int) -> dict:
         "ar_cost_fraction": (
             kernel_ar["time_s"] / kernel["time_s"] - 1.0 if kernel and kernel_ar and kernel_ar is not kernel else None
         ),
+        "share_of_one_pass_floor": floor_s / kernel["time_s"] if kernel and floor_s else None,
     }
     goals = {}
     for key, target in GOALS.items():
         value = measured[key]
         met = None if value is None else (value < target if key == "ar_cost_fraction" else value >= target)
         goals[key] = {"target": target, "measured": value, "met": met}
-    return {"required_bytes": needed, "peak_bandwidth_Bps": peak_bw, "goals": goals}
+    return {"required_bytes": needed, "peak_bandwidth_Bps": peak_bw, "one_pass_floor_s": floor_s,
+            "fastest_triton_variant": kernel["backend"] if kernel else None, "goals": goals}
 
 
 def format_table(rows: list, summary: dict) -> str:
-    header = f"{'backend':<10} {'alpha':>5} {'fwd+bwd ms':>11} {'peak MiB':>9} {'GB/s':>8} {'% peak':>7} {'loss':>11}"
+    header = (f"{'row':<15} {'ran':<7} {'alpha':>5} {'fwd+bwd ms':>11} {'peak MiB':>9} {'GB/s':>8} {'% peak':>7} "
+              f"{'loss':>11}")  # fmt: skip
     lines = [header, "-" * len(header)]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"{r['backend']:<10} {r['alpha']:>5} {r['status']}")
+            lines.append(f"{r['backend']:<15} {'':<7} {r['alpha']:>5} {r['status']}")
             continue
         peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}"
         share = "n/a" if r.get("bandwidth_share") is None else f"{100 * r['bandwidth_share']:.1f}"
+        ran = ",".join(r.get("backend_ran", [r["backend"]]))
+        syncs = {True: "; no host sync", False: "; HOST SYNC"}.get(r.get("syncs_free"), "")
+        note = "; ".join(x for x in (r["note"], syncs.lstrip("; ")) if x)
         lines.append(
-            f"{r['backend']:<10} {r['alpha']:>5} {1e3 * r['time_s']:>11.3f} {peak:>9} "
-            f"{r['bandwidth_Bps'] / 1e9:>8.2f} {share:>7} {r['loss']:>11.6f}"
-            + (f"   ({r['note']})" if r["note"] else "")
+            f"{r['backend']:<15} {ran:<7} {r['alpha']:>5} {1e3 * r['time_s']:>11.3f} {peak:>9} "
+            f"{r['bandwidth_Bps'] / 1e9:>8.2f} {share:>7} {r['loss']:>11.6f}" + (f"   ({note})" if note else "")
         )
     lines.append("")
+    if summary.get("fastest_triton_variant"):
+        floor = summary.get("one_pass_floor_s")
+        lines.append(f"our fastest Triton row: {summary['fastest_triton_variant']}"
+                     + (f"; the one-pass floor here: {1e3 * floor:.3f} ms" if floor else ""))  # fmt: skip
     for key, goal in summary["goals"].items():
         value = goal["measured"]
         shown = "n/a" if value is None else f"{value:.3f}"
@@ -424,7 +485,7 @@ def parse_args(argv: Optional[list], prog: str = "openrlhf-lopti bench") -> argp
         parser.error(f"--n ({args.n}) must be a multiple of --seq-len ({args.seq_len})")
     if not 0.0 < args.keep_fraction <= 1.0:
         parser.error("--keep-fraction must be in (0, 1]")
-    default = ("openrlhf", "torch", "triton", "liger") + (() if gpu else ("cpp",))
+    default = ("openrlhf", "torch", "triton", "triton-step", "triton-onepass", "liger") + (() if gpu else ("cpp",))
     args.backends = tuple(args.backends.split(",")) if args.backends else default
     unknown = set(args.backends) - set(ALL_BACKENDS)
     if unknown:
@@ -441,7 +502,7 @@ def main(argv: Optional[list] = None, prog: str = "openrlhf-lopti bench") -> int
     """Run the benchmark with command-line ``argv`` (``--help`` lists them); prints the table, writes the JSON."""
     args = parse_args(argv, prog)
     gpu = args.device.startswith("cuda")
-    if not gpu and "triton" in args.backends:
+    if not gpu and any(name.startswith("triton") for name in args.backends):
         # Must precede the first import of the kernels module (fused_policy_loss imports it lazily).
         os.environ.setdefault("TRITON_INTERPRET", "1")
     cfg = Config(
@@ -487,7 +548,10 @@ def main(argv: Optional[list] = None, prog: str = "openrlhf-lopti bench") -> int
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {path}")
-    return 0
+    refused = [r["backend"] for r in rows if r["status"].startswith("refused")]
+    if refused:
+        print(f"refused rows (the op ran another backend than their label): {', '.join(refused)}", file=sys.stderr)
+    return 1 if refused else 0
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ def main(argv: Optional[list] = None) -> int:
     )
     parser.add_argument("--device", default="cuda", help="the CUDA device to check (default: cuda, i.e. the current one)")
     parser.add_argument("--no-bench", action="store_true", help="the self-check only")
+    parser.add_argument("--quick", action="store_true", help="the quick cases only (what backend='auto' checks)")
     parser.add_argument("--bench-n", type=int, default=8192, help="tokens of the benchmark (default 8192)")
     parser.add_argument("--bench-v", type=int, default=151936, help="vocabulary of the benchmark (default 151936)")
     args = parser.parse_args(argv)
@@ -71,7 +72,7 @@ def main(argv: Optional[list] = None) -> int:
         print(f"check-gpu: no CUDA device visible to torch {torch.__version__} on this machine: nothing to check.")
         return 0
 
-    from openrlhf_lopti.ops.triton.self_check import WIDE_CASES, run_self_check
+    from openrlhf_lopti.ops.triton.self_check import QUICK_CASES, WIDE_CASES, run_self_check
 
     device = torch.device(args.device)
     try:
@@ -87,8 +88,9 @@ def main(argv: Optional[list] = None) -> int:
         f"driver: {_driver_version()}, CUDA runtime {torch.version.cuda}",
         f"torch {torch.__version__}, triton {triton_version}, python {platform.python_version()}",
     ]
-    result = run_self_check(device, WIDE_CASES)
-    cases = f"{len(WIDE_CASES)} cases, {len(result.skipped)} skipped"  # the skipped ones, and why: in the summary
+    grid = QUICK_CASES if args.quick else WIDE_CASES
+    result = run_self_check(device, grid)
+    cases = f"{len(grid)} cases, {len(result.skipped)} skipped"  # the skipped ones, and why: in the summary
     lines.append(f"self-check ({cases}, forward and backward vs the torch reference): {result.summary()}")
     if not args.no_bench:
         lines += _benchmark(args.bench_n, args.bench_v)

@@ -101,9 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
             kind = type(default) if default is not None else str
             text = HELP[f.name] if default is None else f"{HELP[f.name]} (default {default})"
             p.add_argument(flag, type=kind, help=text)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default 1, as the demo: on a machine busy with other work more threads "
-                   "spin-wait for each other, several times slower; 0: torch's choice)")  # fmt: skip
+                   "spin-wait for each other, several times slower; 0: torch's choice, faster for a larger model on "
+                   "idle cores)")  # fmt: skip
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     mode.add_argument("--overwrite", action="store_true",
@@ -135,6 +136,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(TrainConfig)})
         if unknown:
             raise UserError(f"--resume: {saved} has settings this version does not know: {unknown}")
+        if values.get("eta") is not None and values.get("lopti_quantile") is not None:
+            # saved before eta and a quantile were refused together, when eta was always written (0.5 by default)
+            # and the quantile won: the run's threshold was the quantile
+            values["eta"] = None
     if getattr(args, "method", None):
         values.update(method_settings(args.method))
     values.update(given)
@@ -150,13 +155,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_transformers()
-    if args.threads < 0:
+    if args.threads is not None and args.threads < 0:
         raise UserError(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
     cfg = config_from_args(args)
-    if args.threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(args.threads)
+    if args.threads is None and torch.get_num_threads() > 1:  # the default, told: a many-core user may want more
+        print(f"train: 1 torch thread (the default, as the demo's); --threads 0 gives torch's choice, "
+              f"{torch.get_num_threads()} here, faster for a larger model on idle cores")  # fmt: skip
+    threads = 1 if args.threads is None else args.threads
+    if threads:
+        torch.set_num_threads(threads)
     from .trainer import LocalTrainer
 
     trainer = LocalTrainer(cfg, resume=getattr(args, "resume", False), overwrite=getattr(args, "overwrite", False))

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -145,6 +146,7 @@ class LocalTrainer:
         # A fresh run (or a resumed one that never checkpointed) writes config.json and a new metrics.jsonl
         # only when its first step is done (`_log`), so a run that fails at start-up leaves its folder reusable.
         self._fresh = ckpt is None
+        self._backend_printed = False
         if ckpt is None:
             return
         # Fields that may change between a run and its resumption: the rest must match.
@@ -190,6 +192,11 @@ class LocalTrainer:
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
         update = update_policy(self.policy, self.optimizers, exp, cfg, generator)
         t2 = time.perf_counter()
+        backend = update.pop("loss_backend")
+        if backend is not None and not self._backend_printed:  # once per run: which kernel trained it
+            print(f"[openrlhf-lopti] local trainer: loss head on the {backend} backend ({cfg.loss_backend} asked)",
+                  file=sys.stderr)  # fmt: skip
+            self._backend_printed = True
 
         mask = exp.rollout.action_mask
         tokens = mask.sum().clamp(min=1)

@@ -34,7 +34,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from openrlhf_lopti.algo import LoptiRound, plan_round
-from openrlhf_lopti.ops import LossOptions, fused_linear_policy_loss, fused_policy_loss
+from openrlhf_lopti.ops import LossOptions, StepChecks, fused_linear_policy_loss, fused_policy_loss
 
 from .config import TrainConfig
 from .experience import Experience
@@ -97,7 +97,12 @@ def update_policy(
         optimizer steps, before clipping), ``optimizer_steps``; the round's metrics (``ar/mean_weight`` with AR;
         ``lopti/threshold``, ``lopti/low_token_frac``, ``lopti/<phase>/tokens`` with Lopti: ``algo.plan_round``);
         with Lopti also, per phase (``low``, ``high``), ``lopti/<phase>/policy_loss``, ``lopti/<phase>/clip_ratio``,
-        ``lopti/<phase>/grad_norm`` and ``lopti/<phase>/train_s`` (wall seconds).
+        ``lopti/<phase>/grad_norm`` and ``lopti/<phase>/train_s`` (wall seconds); ``loss_backend``, the kernel
+        backend that ran (a string: the caller prints it).
+
+    The loss head is the one-pass form (``loss_weights``: each token's share of the mini-batch's token mean, known
+    up front), and its value checks are read once per optimizer step, before it (``check="step"``): a NaN logit or
+    a non-finite advantage raises there, naming the phase, the mini-batch and the row, before any weight moves.
     """
     rollout = exp.rollout
     batch = len(rollout)
@@ -108,7 +113,10 @@ def update_policy(
     ref = exp.ref_log_probs if kl_coef != 0 else None
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     loss_options = LossOptions(alpha=cfg.alpha, eps_low=cfg.eps_low, eps_high=cfg.eps_high, kl_coef=kl_coef,
-                               kl_estimator=cfg.kl_estimator, temperature=cfg.temperature, backend=cfg.loss_backend)
+                               kl_estimator=cfg.kl_estimator, temperature=cfg.temperature, backend=cfg.loss_backend,
+                               check="step")  # fmt: skip
+    checks = StepChecks()
+    backend = None
 
     metrics = {"loss": 0.0, "optimizer_steps": 0}
     clipped_all = entropy_all = trained_all = 0.0
@@ -129,7 +137,7 @@ def update_policy(
             advantages = exp.advantages * phase
             for _ in range(cfg.epochs):
                 order = torch.randperm(batch, generator=generator).to(rollout.sequences.device)
-                for mini in order.split(cfg.mini_batch_size):
+                for m, mini in enumerate(order.split(cfg.mini_batch_size), start=1):
                     optimizer.zero_grad(set_to_none=True)
                     denom = rollout.action_mask[mini].sum().clamp(min=1)
                     for micro_rows in mini.split(micro):
@@ -147,6 +155,7 @@ def update_policy(
                         options = dict(
                             ref_log_probs=None if ref is None else ref[part_rows, :columns][rows],
                             return_entropy=True,
+                            loss_weights=(1.0 / denom).expand(per_token[0].shape[0]),  # the token mean, up front
                             options=loss_options,
                         )
                         if cfg.fused_lm_head:  # [N, H] hidden states and the lm_head: no [N, V] logits
@@ -156,13 +165,16 @@ def update_policy(
                         else:
                             logits = response_logits(policy, part)[rows]  # [N, V]
                             out = fused_policy_loss(logits, *per_token, **options)
-                        (out.loss.sum() / denom).backward()
+                        checks.add(out.status, f"phase '{name}', mini-batch {m}")
+                        backend = backend or out.backend
+                        out.reduced.backward()
                         loss_sum += float(out.loss.detach().sum())
                         clipped += float(out.clipped.sum())
                         entropy += float(out.entropy.detach().sum())
                     if all(p.grad is None for p in params):  # every micro-batch skipped: the step is on zeros
                         for p in params:
                             p.grad = torch.zeros_like(p)
+                    checks.raise_if_bad()  # before the weights move
                     norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
                     optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -179,4 +191,5 @@ def update_policy(
     metrics["clip_ratio"] = clipped_all / max(trained_all, 1)
     metrics["entropy"] = entropy_all / max(trained_all, 1)
     metrics["grad_norm"] = sum(norms_all) / len(norms_all) if norms_all else 0.0
+    metrics["loss_backend"] = backend
     return metrics

@@ -21,6 +21,10 @@ What each flag changes, and where (the math itself is ``openrlhf_lopti.algo`` / 
   ``[N, V]`` copy of the logits is made; ``off`` leaves upstream's ``PolicyLoss`` in place.
 - ``--actor.fused_lm_head``: the same step through ``fused_linear_policy_loss`` on the last hidden states and
   the output layer (``fused.head_to_kernels``), so the logits are never made.
+  Either way the kernels' value checks (NaN / +inf logits, non-finite advantages, ...) are read once per optimizer
+  step, not per micro-batch (``check="step"``, ``ops/value_status.py``): ``_value_checks_before_the_step`` reads
+  them at each accumulation boundary, before DeepSpeed's step, and every data-parallel rank raises the same line
+  naming the rank, the RL step, the phase, the micro-batch and the row. The backend that ran is printed once.
 - ``--algo.track_direction``: ``ppo_train`` ends with ``_direction_metrics``: one forward-only pass over the
   round's experience after the update, logged as ``direction/*`` (``openrlhf_lopti.algo.direction``).
 """
@@ -47,7 +51,7 @@ from openrlhf_lopti.algo import (
     reweight_advantages,
     sum_direction_counts,
 )
-from openrlhf_lopti.ops import LossOptions, fused_linear_policy_loss, fused_policy_loss
+from openrlhf_lopti.ops import LossOptions, StepChecks, fused_linear_policy_loss, fused_policy_loss
 from openrlhf_lopti.ops.fused_policy_loss import resolve_backend
 
 from .flags import check_config, fused_backend, fused_loss_blockers, lopti_config
@@ -142,6 +146,8 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         self._phase_tokens: Dict[int, Dict[str, torch.Tensor]] = {}
         self.rl_step = 0  # RL steps trained (ppo_train calls); LoptiPolicyModelActor sets it on resume
         self._micro_batch = ""  # where training_step is, for error messages
+        self._value_checks = StepChecks()  # the fused loss's value checks since the last optimizer step
+        self._backend_ran: Optional[str] = None  # printed once, at the first fused call
 
     # ------------------------------------------------------------------ Lopti rounds
     def ppo_train(self, kl_ctl: float) -> Dict[str, float]:
@@ -387,7 +393,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
                 with self._sequence_gate_on_the_whole_response(response_mask):
                     status = super().training_step(experience, kl_ctl, step, loss_batch_info)
             else:
-                with self._fused_policy_loss(experience):
+                with self._fused_policy_loss(experience), self._value_checks_before_the_step():
                     status = super().training_step(experience, kl_ctl, step, loss_batch_info)
         finally:
             experience.action_mask, experience.advantages = response_mask, advantages
@@ -433,7 +439,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         old, advantages = rows.rows(experience.action_log_probs.float()), rows.rows(experience.advantages.float())
         options = LossOptions(
             alpha=self.lopti.ar_alpha, eps_low=policy_loss.clip_eps_low, eps_high=policy_loss.clip_eps_high,
-            dual_clip=policy_loss.dual_clip, temperature=actor.temperature, backend=self.fused_backend,
+            dual_clip=policy_loss.dual_clip, temperature=actor.temperature, backend=self.fused_backend, check="step",
         )  # fmt: skip
         step: Dict[str, object] = {}  # what the hooks of this one forward pass to each other
 
@@ -445,12 +451,14 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             return bound.args, bound.kwargs
 
         def checked(compute: Callable[[], PolicyLossOutput]) -> PolicyLossOutput:
-            error = out = None
-            try:
-                out = compute()
-            except ValueError as exc:  # bad input or non-finite logits: fail every rank, before any collective
-                error = exc
-            self._raise_on_every_rank_if_any_failed(error)
+            # Shapes and options are checked at once (the same on every rank: they follow the batch's layout and
+            # the flags); values only set status bits, read before the optimizer step on every rank together.
+            out = compute()
+            self._value_checks.add(out.status, self._micro_batch)
+            if self._backend_ran is None:
+                self._backend_ran = out.backend
+                self.strategy.print(f"[openrlhf-lopti] fused policy loss ran on the {out.backend} backend; value "
+                                    "checks are read once per optimizer step")  # fmt: skip
             return out
 
         def on_logits(logits: torch.Tensor) -> PolicyLossOutput:
@@ -542,13 +550,39 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         finally:
             self.actor_loss_fn = policy_loss
 
-    def _raise_on_every_rank_if_any_failed(self, error: Optional[BaseException]) -> None:
-        """Raise on every data-parallel rank if ``fused_policy_loss`` raised on any, naming the rank and the step.
+    @contextmanager
+    def _value_checks_before_the_step(self) -> Iterator[None]:
+        """Upstream's ``training_step`` with the fused loss's value checks read right before each real optimizer
+        step (an accumulation boundary of the DeepSpeed engine), on every rank: no rank updates weights from a
+        bad row, and no rank is left alone in a collective."""
+        strategy = self.strategy
+        optimizer_step = strategy.optimizer_step
 
-        Called after each micro-batch's fused loss, before upstream's backward: a rank that raised alone would
-        leave the others waiting in the backward's gradient collectives. Costs one scalar all-reduce (a host
-        sync) per micro-batch; the messages are gathered only when a rank failed.
+        def checked_step(optimizer, model, scheduler, *args, **kwargs):
+            engine = getattr(model, "model", model)
+            if getattr(engine, "is_gradient_accumulation_boundary", lambda: True)():
+                self._raise_on_every_rank_if_any_failed()
+            return optimizer_step(optimizer, model, scheduler, *args, **kwargs)
+
+        strategy.optimizer_step = checked_step
+        try:
+            yield
+        finally:
+            strategy.optimizer_step = optimizer_step
+
+    def _raise_on_every_rank_if_any_failed(self) -> None:
+        """Read the value checks of every fused call since the last optimizer step and raise on every data-parallel
+        rank if any rank found a bad row, naming that rank, the call and the row.
+
+        One scalar all-reduce (a host sync) per optimizer step, over every rank; the messages are gathered only
+        when a rank failed.
         """
+        checks, self._value_checks = self._value_checks, StepChecks()
+        error = None
+        try:
+            checks.raise_if_bad()
+        except ValueError as exc:
+            error = exc
         failed = self.strategy.all_reduce(0.0 if error is None else 1.0, op="max")  # over every rank
         if not failed:
             return
@@ -559,4 +593,4 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             messages = [None] * dist.get_world_size()
             dist.all_gather_object(messages, message)
         first = next(m for m in messages if m is not None)
-        raise ValueError(f"fused_policy_loss failed at {self._micro_batch}, on {first}") from error
+        raise ValueError(f"fused_policy_loss found a bad input before the optimizer step, on {first}") from error

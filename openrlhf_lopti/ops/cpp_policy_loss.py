@@ -13,6 +13,7 @@ it. Else :func:`cpp_available` is False and one warning says why, with the comma
 import importlib
 import logging
 import os
+import shlex
 import shutil
 import sys
 import threading
@@ -24,7 +25,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..algo import PolicyLossOutput
-from ..install import pip_install
+from ..install import checkout, pip_install
+from .loss_head_output import LossHeadOutput
+from .torch_policy_loss import finish_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +51,11 @@ class _CannotBuild(RuntimeError):
 
 
 def _csrc() -> Path:
-    """The kernel's C++ sources: inside the installed package (a wheel carries them), else the checkout's csrc/."""
+    """The kernel's C++ sources: inside the installed package (a wheel carries them), else a source checkout's csrc/
+    (never a csrc/ that only sits beside an installed package: in site-packages it is another package's)."""
     inside = _PACKAGE / "csrc"
-    return inside if any(inside.glob("*.cpp")) else _PACKAGE.parent / "csrc"
+    in_checkout = checkout() == _PACKAGE.parent  # this package is a source checkout's, not an installed copy
+    return inside if any(inside.glob("*.cpp")) or not in_checkout else _PACKAGE.parent / "csrc"
 
 
 def _stale_extension_reason() -> Optional[str]:
@@ -85,9 +90,12 @@ def _jit_build() -> None:
         raise _CannotBuild(f"no C++ sources in {where} (a wheel built without them): reinstall, "
                            f"{pip_install()} --force-reinstall --no-deps")  # fmt: skip
     compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise _CannotBuild(f"no C++ compiler ({compiler!r} is not on PATH): install one (Debian/Ubuntu: apt-get "
-                           "install g++; conda: conda install gxx) or set CXX")  # fmt: skip
+    # CXX may be a command line, a launcher before the compiler ("ccache g++"): every program of it must be there
+    missing = [word for word in shlex.split(compiler) or ["c++"] if not word.startswith("-") and not shutil.which(word)]
+    if missing:
+        what = repr(missing[0]) if missing[0] == compiler else f"{missing[0]!r} of CXX={compiler!r}"
+        raise _CannotBuild(f"no C++ compiler ({what} is not on PATH): install one (Debian/Ubuntu: apt-get install "
+                           "g++; conda: conda install gxx) or set CXX")  # fmt: skip
     if shutil.which("ninja") is None:
         try:  # the pip `ninja` package, when the venv's bin/ is not on PATH
             import ninja
@@ -238,23 +246,25 @@ def cpp_policy_loss(
     kl_estimator: str = "k3",
     temperature: float = 1.0,
     return_entropy: bool = False,
-) -> Tuple[PolicyLossOutput, torch.Tensor]:
-    """The ``"cpp"`` backend of :func:`openrlhf_lopti.ops.fused_policy_loss` (inputs already validated there).
+    loss_weights: Optional[torch.Tensor] = None,
+    entropy_weights: Optional[torch.Tensor] = None,
+    grad_in_logits: bool = False,
+) -> LossHeadOutput:
+    """The ``"cpp"`` backend of :func:`openrlhf_lopti.ops.fused_policy_loss` (shapes and options already checked
+    there; values checked here as status bits, :func:`~openrlhf_lopti.ops.torch_policy_loss.finish_per_token`).
 
     Args:
         logits: ``[N, V]`` fp32 / bf16 / fp16 CPU tensor; read in its dtype, one row at a time (no fp32
             ``[N, V]`` copy). Rows must be contiguous in V (other layouts are copied once).
-        labels, old_log_probs, advantages, mask, ref_log_probs: ``[N]``, as ``fused_policy_loss``.
-        alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, return_entropy: as
-            ``fused_policy_loss``.
+        labels, old_log_probs, advantages, mask, ref_log_probs: ``[N]``, as ``fused_policy_loss``; a label outside
+            ``[0, V)`` on a kept row is flagged and never read.
+        alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, return_entropy, loss_weights,
+            entropy_weights: as ``fused_policy_loss``; ``grad_in_logits`` is accepted and ignored (two passes here).
 
     Returns:
-        ``(out, bad_rows)``: ``out`` a :class:`~openrlhf_lopti.algo.PolicyLossOutput` of fp32 ``[N]`` fields
-        (``clipped`` bool); masked rows are 0 everywhere with zero gradient. The gradient to ``logits`` (in its
-        dtype) comes from ``loss``, ``logp`` and ``entropy``; ``kl`` and ``clipped`` are detached.
-        ``bad_rows`` is ``[N]`` bool, True on kept rows without a finite log-sum-exp (NaN / +inf, or all -inf),
-        whose outputs are meaningless: pass it to :func:`openrlhf_lopti.algo.policy_loss.check_logit_rows`
-        before using ``out`` (``fused_policy_loss`` does).
+        :class:`~openrlhf_lopti.ops.loss_head_output.LossHeadOutput` of fp32 ``[N]`` fields (``clipped`` bool);
+        masked rows are 0 everywhere with zero gradient, flagged rows NaN. The gradient to ``logits`` (in its
+        dtype) comes from ``loss``, ``logp`` and ``entropy`` (or ``reduced`` alone, with ``loss_weights``).
 
     Raises:
         ValueError: ``logits`` not on the CPU, or a bad ``OPENRLHF_LOPTI_CPU_ISA``.
@@ -267,7 +277,7 @@ def cpp_policy_loss(
         logits = logits.contiguous()
     loss, logp, kl, clipped, entropy, bad_rows = _CppPolicyLoss.apply(
         logits,
-        labels.detach().long().contiguous(),
+        labels.detach().long().clamp(0, max(logits.shape[1] - 1, 0)).contiguous(),  # a bad id is flagged, not read
         old_log_probs.detach().float().contiguous(),
         advantages.detach().float().contiguous(),
         mask.detach().bool().contiguous(),
@@ -282,4 +292,7 @@ def cpp_policy_loss(
         bool(return_entropy),
     )
     out = PolicyLossOutput(loss=loss, logp=logp, kl=kl, clipped=clipped, entropy=entropy if return_entropy else None)
-    return out, bad_rows
+    return finish_per_token(
+        out, bad_rows, logits.shape[1], labels, old_log_probs, advantages, mask, ref_log_probs, temperature,
+        loss_weights, entropy_weights, "cpp", logits.__getitem__,
+    )  # fmt: skip

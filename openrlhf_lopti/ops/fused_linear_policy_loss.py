@@ -1,59 +1,70 @@
-"""``fused_linear_policy_loss`` and ``linear_log_probs``: the lm_head and the loss head together, chunk by chunk,
-so that the ``[N, V]`` logits of a whole micro-batch never exist.
+"""``fused_linear_policy_loss`` and ``linear_log_probs``: the lm_head and the loss head together, block by block, so
+that the ``[N, V]`` logits of a whole micro-batch never exist.
 
-Rows are taken in chunks of ``chunk_size``. For each chunk the logits ``hidden[rows] @ weight.T (+ bias)`` are made
-by torch's matmul in the model's dtype (cuBLAS on GPU, the CPU GEMM on CPU), and then
-:func:`~openrlhf_lopti.ops.fused_policy_loss` (whichever backend ``backend`` picks) runs on them. Only rows with
-mask 1 are gathered before the matmul, so a Lopti phase pays the lm_head only for its own tokens.
+Only the kept rows (mask 1) are gathered (``[K, H]``): a Lopti phase pays the lm_head only for its own tokens. The
+logits are made one ``[R, Vb]`` block at a time (``R`` rows of the kept tokens, ``Vb`` vocabulary columns) by
+torch's matmul in the model's dtype (cuBLAS on GPU, the CPU GEMM on CPU), into one reused buffer.
 
-Backward recomputes each chunk's logits (one extra matmul per chunk) and runs the kernel's own forward and
-backward on them with the incoming per-token gradients of ``loss``, ``logp`` and ``entropy``; then
-``grad_hidden[rows] = g @ W`` and ``grad_W += g.T @ h`` (fp32 accumulator; ``grad_b += g.sum(0)`` likewise),
-where ``g`` is the chunk's gradient w.r.t. its logits. Nothing is filtered: every token's gradient, however
-small, reaches the weight (Lopti's first phase trains exactly the low-probability tokens).
+Forward: per block, :mod:`~openrlhf_lopti.ops.vocab_block`'s online log-sum-exp folds the block into four fp32
+numbers per row (the Triton kernel on GPU, torch on CPU). After the last block each row's log-prob and entropy are
+known; the per-token loss is then :func:`openrlhf_lopti.algo.policy_loss_from_logp` on those ``[K]`` vectors, the
+method's own formulas, with autograd over ``[K]`` numbers only.
 
-Why recompute instead of computing ``g`` eagerly in forward (Liger's chunked losses): the eager form only
-knows ``d(sum loss)``; with per-token gradients on several outputs (the token-mean loss, a KL term through
-``logp``, an entropy bonus) ``grad_W = sum_i c_i g_i h_i^T`` needs the per-token ``c_i`` inside the sum, which
-forward cannot know (https://github.com/linkedin/Liger-Kernel/pull/1298 is that bug in Liger's ``reduction="none"``).
+Backward: autograd hands the gradients w.r.t. the log-probs and entropies (whatever mix of token-mean loss, KL
+through ``logp`` and entropy bonus produced them: exact). Per block the logits are recomputed once (one GEMM),
+turned into their gradient in place from the saved per-row log-sum-exp and entropy (no second pass of statistics),
+then ``grad_hidden[rows] += g @ W[cols]`` (fp32 accumulator ``[R, H]``) and ``grad_W[cols] = g^T @ h[rows]``: with
+the default blocks one row chunk holds every kept row, so each block of ``grad_W`` is written once, by one GEMM
+that sums all rows in fp32 and rounds once to the weight's dtype, as the unfused lm_head backward does; with
+several row chunks it is summed in an fp32 ``[V, H]`` accumulator. Nothing is filtered: every token's gradient,
+however small, reaches the weight.
 
-Peak extra memory: the ``[chunk, V]`` buffers alive at once (forward: one chunk's logits, reused from chunk to
-chunk; backward: the logits and their gradient), within :data:`DEFAULT_CHUNK_BYTES` by default, plus the kernel's
-per-row vectors (the ``"torch"`` backend adds its fp32 ``[chunk, V]`` temporaries); the ``[V, H]`` fp32
-weight-gradient accumulator (for a bf16/fp16 weight, plus one ``[V_block, H]`` product and the final cast).
+So the four GEMMs of an lm_head step (forward; recompute, grad wrt hidden, grad wrt weight) run on blocks of
+``[R, Vb]`` with ``R`` up to every kept row: large enough to be compute-bound on a GPU. Memory beyond the inputs
+and the gradients: one ``[R, Vb]`` block (:data:`DEFAULT_BLOCK_BYTES`), the ``[R, H]`` fp32 accumulator, and
+``O(K)`` per-row numbers. Input values are checked once for all rows, as status bits (``ops/value_status.py``):
+no host sync per block.
 """
 
-from dataclasses import astuple
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..algo import PolicyLossOutput
-from ..algo.policy_loss import bad_logit_row_error, first_flagged_row
-from .fused_policy_loss import BACKENDS, LOGITS_DTYPES, _check_row_inputs, fused_policy_loss
+from ..algo import policy_loss_from_logp
+from . import vocab_block as torch_blocks
+from .fused_policy_loss import BACKENDS, LOGITS_DTYPES, _check_row_inputs, apply_check_policy, check_weights
+from .fused_policy_loss import resolve_backend
+from .loss_head_output import LossHeadOutput
 from .loss_options import LossOptions, resolve_options
+from .torch_policy_loss import finish_per_token
+from .value_status import BAD_LOGITS, ValueStatus, input_status
 
-# Default chunking: the [chunk, V] buffers alive at once take at most this many bytes (model dtype). Forward
-# passes hold one (the chunk's logits), backward two (logits and their gradient), so at V = 151936 the forward
-# takes 441 fp32 / 883 bf16 rows per chunk and the backward 220 / 441. Bigger chunks run the lm_head GEMM
-# closer to full speed (a 220-row fp32 chunk was ~20% slower per row than 2048 rows on a 2-core Xeon;
-# benchmarks/RESULTS.md); a GEMM of a few hundred rows against the whole [V, H] weight stays compute-bound.
-DEFAULT_CHUNK_BYTES = 256 * 2**20
-# A bf16/fp16 weight's gradient is summed in fp32 from products of this many vocab rows at a time, so the
-# low-precision product never needs a whole [V, H] buffer.
-_GRAD_WEIGHT_BLOCK = 16384
+# One [R, Vb] block of logits in the model's dtype takes at most this many bytes. The rows come first: every kept
+# row in one chunk while a block of MIN_VOCAB_BLOCK columns fits, so the weight-gradient GEMM runs once per block
+# over all rows (compute-bound) and is written once.
+DEFAULT_BLOCK_BYTES = 256 * 2**20
+MIN_VOCAB_BLOCK = 1024
 
 
-def default_chunk_size(vocab_size: int, dtype: torch.dtype, buffers: int = 1) -> int:
-    """Rows per chunk when ``chunk_size`` is None: the largest count for which ``buffers`` ``[chunk, V]``
-    tensors in ``dtype`` take at most :data:`DEFAULT_CHUNK_BYTES` (at least 1). Forward passes use
-    ``buffers=1``, the backward ``buffers=2``."""
+def default_block_shape(kept_rows: int, vocab_size: int, dtype: torch.dtype) -> Tuple[int, int]:
+    """``(R, Vb)``: rows per chunk and vocabulary columns per block for ``kept_rows`` rows when neither is given:
+    every row while a ``[rows, min(V, MIN_VOCAB_BLOCK)]`` block fits in :data:`DEFAULT_BLOCK_BYTES`, then as many
+    columns as fit (at least 1 each)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return max(1, DEFAULT_CHUNK_BYTES // (buffers * vocab_size * itemsize))
+    narrowest = min(vocab_size, MIN_VOCAB_BLOCK)
+    rows = max(1, min(kept_rows, DEFAULT_BLOCK_BYTES // (narrowest * itemsize)))
+    return rows, block_columns(rows, vocab_size, dtype)
 
 
-def _check_linear_inputs(hidden, weight, bias, chunk_size, backend: str) -> None:
+def block_columns(rows: int, vocab_size: int, dtype: torch.dtype) -> int:
+    """Vocabulary columns of a ``[rows, Vb]`` block within :data:`DEFAULT_BLOCK_BYTES` (at least 1, at most V)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return max(1, min(vocab_size, DEFAULT_BLOCK_BYTES // (max(rows, 1) * itemsize)))
+
+
+def _check_linear_inputs(hidden, weight, bias, chunk_size, vocab_block, backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
@@ -78,145 +89,160 @@ def _check_linear_inputs(hidden, weight, bias, chunk_size, backend: str) -> None
             raise ValueError(f"bias must be None or a [V] = [{weight.shape[0]}] tensor, got {got}")
         if bias.dtype != hidden.dtype or bias.device != hidden.device:
             raise ValueError(f"bias must have hidden's dtype and device, got {bias.dtype} on {bias.device}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None or an integer >= 1, got {chunk_size!r}")
+    for name, value in (("chunk_size", chunk_size), ("vocab_block", vocab_block)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
 
 
-def _chunk_logits(hidden_rows, weight, bias, out: torch.Tensor) -> torch.Tensor:
-    """``hidden_rows @ weight.T (+ bias)`` written into ``out`` (a buffer reused across chunks: on CPU a fresh
-    ``[chunk, V]`` allocation costs page faults on every chunk)."""
+def _block_logits(hidden_rows, weight, bias, cols: slice, buffer: torch.Tensor) -> torch.Tensor:
+    """``hidden_rows @ weight[cols].T (+ bias[cols])`` written into ``buffer`` (reused from block to block: a fresh
+    ``[R, Vb]`` allocation per block costs page faults on CPU and allocator traffic on GPU)."""
+    w = weight[cols]
+    out = buffer[: hidden_rows.shape[0] * w.shape[0]].view(hidden_rows.shape[0], w.shape[0])
     if bias is None:
-        return torch.mm(hidden_rows, weight.t(), out=out)
-    return torch.addmm(bias, hidden_rows, weight.t(), out=out)
+        return torch.mm(hidden_rows, w.t(), out=out)
+    return torch.addmm(bias[cols], hidden_rows, w.t(), out=out)
 
 
-def _logits_buffer(hidden, weight, rows: int) -> torch.Tensor:
-    return torch.empty(rows, weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+@dataclass(frozen=True)
+class _Plan:
+    """How one call walks its ``[K, V]`` logits: ``rows`` per chunk, ``cols`` per vocabulary block, the block ops
+    (``ops.vocab_block`` or its Triton kernels) and the temperature."""
+
+    rows: int
+    cols: int
+    triton: bool
+    inv_temperature: float
+    with_entropy: bool
+
+    @property
+    def ops(self):
+        if self.triton:
+            from .triton import vocab_block as triton_blocks
+
+            return triton_blocks
+        return torch_blocks
+
+    def blocks(self, kept: int, vocab: int):
+        """Every ``(row slice, column slice)`` block, rows outer: one row chunk's hidden states are reused across V."""
+        for r0 in range(0, kept, self.rows):
+            for c0 in range(0, vocab, self.cols):
+                yield slice(r0, min(r0 + self.rows, kept)), slice(c0, min(c0 + self.cols, vocab))
 
 
-class _Rows:
-    """The kept rows and their per-token inputs, gathered once (``[K]`` each, K = kept rows)."""
-
-    def __init__(self, index, labels, old_log_probs, advantages, ref_log_probs):
-        self.index, self.labels, self.old, self.adv, self.ref = index, labels, old_log_probs, advantages, ref_log_probs
-
-    def chunk_loss(self, logits, start, options, backend) -> PolicyLossOutput:
-        """The kernel on the chunk's logits (rows ``start : start + len(logits)`` of the kept rows)."""
-        part = slice(start, start + logits.shape[0])
-        try:
-            return fused_policy_loss(
-                logits,
-                self.labels[part],
-                self.old[part],
-                self.adv[part],
-                torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device),
-                ref_log_probs=None if self.ref is None else self.ref[part],
-                backend=backend,
-                **options,
-            )
-        except ValueError as error:  # a NaN / +inf / all -inf logits row: name it by the caller's row index
-            bad = first_flagged_row(~torch.isfinite(torch.logsumexp(logits.float() / options["temperature"], -1)))
-            if bad is None:
-                raise
-            row = int(self.index[start + bad])
-            raise bad_logit_row_error(row, logits[bad], options["temperature"]) from error
+def _row_stats(hidden_rows, weight, bias, labels, plan: _Plan) -> torch.Tensor:
+    """``[4, K]`` fp32 per-row statistics (:mod:`~openrlhf_lopti.ops.vocab_block`) over every vocabulary block."""
+    kept, vocab = hidden_rows.shape[0], weight.shape[0]
+    stats = torch_blocks.new_stats(kept, hidden_rows.device)
+    if kept == 0:
+        return stats
+    buffer = torch.empty(min(plan.rows, kept) * min(plan.cols, vocab), dtype=hidden_rows.dtype,
+                         device=hidden_rows.device)  # fmt: skip
+    for rows, cols in plan.blocks(kept, vocab):
+        z = _block_logits(hidden_rows[rows], weight, bias, cols, buffer)
+        plan.ops.update_block_stats(z, cols.start, labels[rows], stats[:, rows], plan.inv_temperature,
+                                    plan.with_entropy)  # fmt: skip
+    return stats
 
 
-def _forward(hidden, weight, bias, rows: _Rows, n: int, chunk: int, options: dict, backend: str) -> tuple:
-    """Per-token outputs ``(loss, logp, kl, clipped, entropy or None)``, ``[N]`` each, without autograd."""
-    zeros = dict(dtype=torch.float32, device=hidden.device)
-    loss, logp, kl = (torch.zeros(n, **zeros) for _ in range(3))
-    clipped = torch.zeros(n, dtype=torch.bool, device=hidden.device)
-    entropy = torch.zeros(n, **zeros) if options["return_entropy"] else None
-    kept = rows.index.numel()
-    with torch.no_grad():
-        buffer = _logits_buffer(hidden, weight, min(chunk, kept)) if kept else None
-        for start in range(0, kept, chunk):
-            index = rows.index[start : start + chunk]
-            logits = _chunk_logits(hidden.index_select(0, index), weight, bias, buffer[: index.numel()])
-            out = rows.chunk_loss(logits, start, options, backend)
-            loss.index_copy_(0, index, out.loss)
-            logp.index_copy_(0, index, out.logp)
-            kl.index_copy_(0, index, out.kl)
-            clipped.index_copy_(0, index, out.clipped)
-            if entropy is not None:
-                entropy.index_copy_(0, index, out.entropy)
-    return loss, logp, kl, clipped, entropy
+def _logp_entropy(stats: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """``(logp, entropy, bad, row_max, log_sum)`` ``[K]`` each from the statistics (the kernel's formulas); ``bad``:
+    the rows without a finite log-sum-exp (a NaN or +inf logit, only -inf, or an overflow at the temperature)."""
+    row_max, s, t, label_z = stats
+    log_sum = torch.log(s)
+    bad = ~torch.isfinite(row_max + log_sum)
+    return (label_z - row_max) - log_sum, log_sum - t / s, bad, row_max, log_sum
 
 
-class _FusedLinearPolicyLoss(torch.autograd.Function):
-    """Saves only the inputs; backward recomputes each chunk's logits and runs the kernel's backward on them."""
+class _LinearLogProbs(torch.autograd.Function):
+    """``(logp [K], entropy [K], bad [K])`` of the labels under ``softmax((hidden_rows @ W^T + b) / T)``, block by
+    block (``bad``: :func:`_logp_entropy`); the backward recomputes each block once and turns it into its gradient
+    (module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, rows, chunks, options, backend):
-        n = hidden.shape[0]
-        loss, logp, kl, clipped, entropy = _forward(hidden, weight, bias, rows, n, chunks[0], options, backend)
-        ctx.save_for_backward(hidden, weight, bias)
-        ctx.rows, ctx.chunk, ctx.options, ctx.backend = rows, chunks[1], options, backend
-        ctx.mark_non_differentiable(kl, clipped)
-        ctx.set_materialize_grads(False)  # unused outputs give None: their terms are skipped
-        return loss, logp, kl, clipped, entropy if entropy is not None else hidden.new_empty(0, dtype=torch.float32)
+    def forward(ctx, hidden_rows, weight, bias, labels, plan):
+        logp, entropy, bad, row_max, log_sum = _logp_entropy(_row_stats(hidden_rows, weight, bias, labels, plan))
+        ctx.save_for_backward(hidden_rows, weight, bias, labels, row_max, log_sum, entropy)
+        ctx.plan = plan
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(bad)
+        return logp, entropy, bad
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_loss, grad_logp, _grad_kl, _grad_clipped, grad_entropy):
-        hidden, weight, bias = ctx.saved_tensors
+    def backward(ctx, g_logp, g_entropy, _g_bad):
+        hidden_rows, weight, bias, labels, row_max, log_sum, entropy = ctx.saved_tensors
+        plan = ctx.plan
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_outputs = [(name, g) for name, g in (("loss", grad_loss), ("logp", grad_logp), ("entropy", grad_entropy))
-                        if g is not None]  # fmt: skip
-        none = (None,) * 4
-        if not grad_outputs or not (need_hidden or need_weight or need_bias):
-            return (None, None, None) + none
-        rows = ctx.rows
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
-        kept = rows.index.numel()
-        buffer = _logits_buffer(hidden, weight, min(ctx.chunk, kept)) if kept else None
-        for start in range(0, kept, ctx.chunk):
-            index = rows.index[start : start + ctx.chunk]
-            hidden_rows = hidden.index_select(0, index)
-            logits = _chunk_logits(hidden_rows, weight, bias, buffer[: index.numel()]).detach().requires_grad_(True)
-            with torch.enable_grad():
-                out = rows.chunk_loss(logits, start, ctx.options, ctx.backend)
-                outputs = [getattr(out, name) for name, _ in grad_outputs]
-                (grad_logits,) = torch.autograd.grad(outputs, logits, [g[index] for _, g in grad_outputs])
-            del logits, out, outputs
+        if (g_logp is None and g_entropy is None) or not (need_hidden or need_weight or need_bias):
+            return None, None, None, None, None
+        kept, vocab = hidden_rows.shape[0], weight.shape[0]
+        g_logp = torch.zeros_like(row_max) if g_logp is None else g_logp.float().contiguous()
+        g_entropy = None if g_entropy is None else g_entropy.float().contiguous()
+        one_chunk = plan.rows >= kept
+        grad_hidden = torch.zeros(hidden_rows.shape, dtype=torch.float32, device=weight.device) if need_hidden else None
+        grad_weight = None
+        if need_weight:  # written block by block when one row chunk covers every row, else summed in fp32
+            grad_weight = torch.zeros_like(weight) if one_chunk else torch.zeros(weight.shape, dtype=torch.float32,
+                                                                                  device=weight.device)  # fmt: skip
+        grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_bias else None
+        buffer = torch.empty(min(plan.rows, kept) * min(plan.cols, vocab), dtype=hidden_rows.dtype,
+                             device=hidden_rows.device) if kept else None  # fmt: skip
+        for rows, cols in plan.blocks(kept, vocab):
+            h = hidden_rows[rows]
+            z = _block_logits(h, weight, bias, cols, buffer)
+            d = plan.ops.block_grad_(z, cols.start, labels[rows], row_max[rows], log_sum[rows], entropy[rows],
+                                     g_logp[rows], None if g_entropy is None else g_entropy[rows],
+                                     plan.inv_temperature)  # fmt: skip
             if need_hidden:
-                grad_hidden.index_copy_(0, index, grad_logits @ weight)
+                if d.dtype == torch.float32:
+                    grad_hidden[rows].addmm_(d, weight[cols])
+                else:  # the product in the model's dtype (fp32 inside the GEMM), the sum over blocks in fp32
+                    grad_hidden[rows] += d @ weight[cols]
             if need_weight:
-                _accumulate_grad_weight(grad_weight, grad_logits, hidden_rows)
+                if one_chunk:
+                    torch.mm(d.t(), h, out=grad_weight[cols])
+                elif d.dtype == torch.float32:
+                    grad_weight[cols].addmm_(d.t(), h)
+                else:
+                    grad_weight[cols] += d.t() @ h
             if need_bias:
-                grad_bias.add_(grad_logits.sum(0, dtype=torch.float32))
-            del grad_logits
+                grad_bias[cols] += d.sum(0, dtype=torch.float32)
         return (
-            grad_hidden,
+            None if grad_hidden is None else grad_hidden.to(hidden_rows.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
-        ) + none
+            None,
+            None,
+        )
 
 
-def _accumulate_grad_weight(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden_rows: torch.Tensor) -> None:
-    """``grad_weight [V, H] fp32 += grad_logits.T @ hidden_rows``, nothing filtered."""
-    if grad_logits.dtype == torch.float32:
-        grad_weight.addmm_(grad_logits.t(), hidden_rows)
-        return
-    # Low precision: the GEMM sums the chunk's rows in fp32 and rounds once to the model dtype (as the unfused
-    # lm_head backward does for all rows); chunks are then summed in fp32, V-block by V-block.
-    for v0 in range(0, grad_weight.shape[0], _GRAD_WEIGHT_BLOCK):
-        block = slice(v0, v0 + _GRAD_WEIGHT_BLOCK)
-        grad_weight[block].add_(grad_logits[:, block].t() @ hidden_rows)
+def _plan(kept: int, weight: torch.Tensor, backend: str, chunk_size, vocab_block, temperature: float,
+          with_entropy: bool) -> Tuple[_Plan, str]:  # fmt: skip
+    """The call's :class:`_Plan` and the name of the backend its block ops run on (``"triton"`` or ``"torch"``:
+    ``"cpp"`` has no block form, so CPU rows run the torch block ops)."""
+    chosen = resolve_backend(backend, weight)
+    rows, cols = default_block_shape(kept, weight.shape[0], weight.dtype)
+    rows = chunk_size or rows
+    cols = vocab_block or (cols if chunk_size is None else block_columns(rows, weight.shape[0], weight.dtype))
+    triton = chosen == "triton"
+    return _Plan(rows, cols, triton, 1.0 / temperature, with_entropy), "triton" if triton else "torch"
 
 
-def _kept_rows(mask, labels, old_log_probs, advantages, ref_log_probs) -> _Rows:
-    index = mask.bool().nonzero().squeeze(1)  # one host sync, like the input checks'
-    return _Rows(
-        index,
-        labels.index_select(0, index),
-        old_log_probs.index_select(0, index),
-        advantages.index_select(0, index),
-        None if ref_log_probs is None else ref_log_probs.index_select(0, index),
-    )
+def _row_logits(hidden, weight, bias):
+    """Row ``i`` -> its ``[V]`` logits, recomputed (only an error message asks for one)."""
+
+    def logits(i: int) -> torch.Tensor:
+        with torch.no_grad():
+            row = hidden[i].detach() @ weight.detach().t()
+            return row if bias is None else row + bias.detach()
+
+    return logits
+
+
+def _scatter(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """``[N]`` with ``values [K]`` at ``index`` and 0 elsewhere (differentiable)."""
+    return values.new_zeros(n).index_copy(0, index, values)
 
 
 def fused_linear_policy_loss(
@@ -229,6 +255,7 @@ def fused_linear_policy_loss(
     *,
     bias: Optional[torch.Tensor] = None,
     chunk_size: Optional[int] = None,
+    vocab_block: Optional[int] = None,
     ref_log_probs: Optional[torch.Tensor] = None,
     alpha: float = 0.0,
     eps_low: float = 0.2,
@@ -239,10 +266,13 @@ def fused_linear_policy_loss(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    check: str = "eager",
+    loss_weights: Optional[torch.Tensor] = None,
+    entropy_weights: Optional[torch.Tensor] = None,
     options: Optional[LossOptions] = None,
-) -> PolicyLossOutput:
+) -> LossHeadOutput:
     """:func:`~openrlhf_lopti.ops.fused_policy_loss` of the logits ``hidden @ weight.T + bias``, without ever
-    holding those logits for all rows: the lm_head runs chunk by chunk, on the kept rows only.
+    holding those logits for all rows: the lm_head runs block by block, on the kept rows only.
 
     Args:
         hidden: ``[N, H]`` last hidden states (fp32 / bf16 / fp16), row i predicting ``labels[i]``.
@@ -251,42 +281,62 @@ def fused_linear_policy_loss(
         labels, old_log_probs, advantages, mask, ref_log_probs: ``[N]``, as in ``fused_policy_loss``; rows with
             mask 0 are never multiplied by the weight.
         bias: ``[V]`` lm_head bias or None; ``-inf`` entries make those tokens impossible.
-        chunk_size: rows per lm_head chunk, in forward and backward; None: :func:`default_chunk_size` for
-            each (the buffers of a chunk within :data:`DEFAULT_CHUNK_BYTES`).
-        alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, return_entropy, backend, options:
-            as in ``fused_policy_loss`` (the backend runs on each chunk's logits).
+        chunk_size: rows of the kept tokens per block; None: every kept row while the block fits
+            (:func:`default_block_shape`).
+        vocab_block: vocabulary columns per block; None: as many as fit in :data:`DEFAULT_BLOCK_BYTES`.
+        alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, return_entropy, backend, check,
+            loss_weights, entropy_weights, options: as in ``fused_policy_loss``. The backend runs the per-block
+            statistics and gradients: Triton on a GPU (``"auto"`` after its self-check), torch on CPU (``"cpp"``
+            has no block form: its rows run the torch block ops, and ``backend`` on the output says so).
 
     Returns:
-        :class:`~openrlhf_lopti.algo.PolicyLossOutput` of fp32 ``[N]`` fields, equal to ``fused_policy_loss``
-        on the full logits. Gradients from ``loss``, ``logp`` and ``entropy`` (any per-token weights) reach
-        ``hidden`` (its dtype), ``weight`` and ``bias`` (summed over chunks in fp32, returned in their dtype).
+        :class:`~openrlhf_lopti.ops.loss_head_output.LossHeadOutput` of fp32 ``[N]`` fields, equal to
+        ``fused_policy_loss`` on the full logits. Gradients from ``loss``, ``logp`` and ``entropy`` (any per-token
+        weights) or from ``reduced`` reach ``hidden`` (its dtype), ``weight`` and ``bias`` (in their dtypes).
         Double backward is not supported.
 
     Raises:
-        ValueError: naming the argument, before any matmul: the checks and messages of ``fused_policy_loss``
-            for the per-token inputs and options, plus shape / dtype / device of ``hidden``, ``weight``,
-            ``bias`` and ``chunk_size``. And, as ``fused_policy_loss``, for the first unmasked row whose logits
-            hold a NaN or +inf, or only -inf: ``"logits row i ..."`` with ``i`` its row in ``hidden``.
+        ValueError: naming the argument, before any matmul: the checks and messages of ``fused_policy_loss`` for
+            the per-token inputs and options, plus shape / dtype / device of ``hidden``, ``weight``, ``bias``,
+            ``chunk_size`` and ``vocab_block``. Under ``check="eager"``, after the forward, as
+            ``fused_policy_loss``: for the first unmasked row with a bad input, or whose logits hold a NaN or +inf,
+            or only -inf (``"logits row i ..."``, ``i`` its row in ``hidden``).
     """
-    alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, backend = astuple(resolve_options(
+    settings = resolve_options(
         options, alpha=alpha, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, kl_coef=kl_coef,
-        kl_estimator=kl_estimator, temperature=temperature, backend=backend,
-    ))  # fmt: skip
-    _check_linear_inputs(hidden, weight, bias, chunk_size, backend)
+        kl_estimator=kl_estimator, temperature=temperature, backend=backend, check=check,
+    )  # fmt: skip
+    _check_linear_inputs(hidden, weight, bias, chunk_size, vocab_block, settings.backend)
     n, v = hidden.shape[0], weight.shape[0]
     _check_row_inputs(
         n, v, hidden.device, "hidden [N, H]", labels, old_log_probs, advantages, mask, ref_log_probs,
-        alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature,
+        settings.alpha, settings.eps_low, settings.eps_high, settings.dual_clip, settings.kl_coef,
+        settings.kl_estimator, settings.temperature,
     )  # fmt: skip
-    options = dict(alpha=float(alpha), eps_low=float(eps_low), eps_high=float(eps_high),
-                   dual_clip=None if dual_clip is None else float(dual_clip), kl_coef=float(kl_coef),
-                   kl_estimator=kl_estimator, temperature=float(temperature),
-                   return_entropy=bool(return_entropy))  # fmt: skip
-    rows = _kept_rows(mask, labels, old_log_probs, advantages, ref_log_probs)
-    chunks = [chunk_size or default_chunk_size(v, hidden.dtype, buffers) for buffers in (1, 2)]  # forward, backward
-    outputs = _FusedLinearPolicyLoss.apply(hidden, weight, bias, rows, chunks, options, backend)
-    loss, logp, kl, clipped, entropy = outputs
-    return PolicyLossOutput(loss=loss, logp=logp, kl=kl, clipped=clipped, entropy=entropy if return_entropy else None)
+    check_weights(n, hidden.device, loss_weights, entropy_weights, False)
+    with_entropy = return_entropy or entropy_weights is not None
+    index = mask.bool().nonzero().squeeze(1)  # the kept rows: one host sync, to size the blocks
+    plan, ran = _plan(index.numel(), weight, settings.backend, chunk_size, vocab_block, settings.temperature,
+                      with_entropy)  # fmt: skip
+    kept_labels = labels.index_select(0, index).contiguous()
+    logp, entropy, bad = _LinearLogProbs.apply(hidden.index_select(0, index), weight, bias, kept_labels, plan)
+    kept = lambda x: None if x is None else x.index_select(0, index)  # noqa: E731
+    per_token = policy_loss_from_logp(
+        logp, kept(old_log_probs), kept(advantages), None, ref_log_probs=kept(ref_log_probs), alpha=settings.alpha,
+        eps_low=settings.eps_low, eps_high=settings.eps_high, dual_clip=settings.dual_clip, kl_coef=settings.kl_coef,
+        kl_estimator=settings.kl_estimator,
+    )  # fmt: skip
+    per_token.loss, per_token.logp, per_token.kl = (_scatter(x, index, n) for x in (per_token.loss, logp, per_token.kl))
+    per_token.clipped = torch.zeros(n, dtype=torch.bool, device=hidden.device).index_copy(0, index, per_token.clipped)
+    per_token.entropy = _scatter(entropy, index, n) if with_entropy else None
+    bad_rows = torch.zeros(n, dtype=torch.bool, device=hidden.device).index_copy(0, index, bad)
+    out = finish_per_token(
+        per_token, bad_rows, v, labels, old_log_probs, advantages, mask, ref_log_probs, settings.temperature,
+        loss_weights, entropy_weights, ran, _row_logits(hidden, weight, bias),
+    )  # fmt: skip
+    if not return_entropy:
+        out.entropy = None
+    return apply_check_policy(out, settings.check)
 
 
 def linear_log_probs(
@@ -299,10 +349,11 @@ def linear_log_probs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_size: Optional[int] = None,
+    vocab_block: Optional[int] = None,
     backend: str = "auto",
 ) -> tuple:
     """Log-probs (and entropy) of ``softmax((hidden @ weight.T + bias) / temperature)`` for the forward-only
-    passes (old-policy and reference log-probs), chunk by chunk, with no autograd graph.
+    passes (old-policy and reference log-probs), block by block, with no autograd graph.
 
     Args:
         hidden: ``[N, H]`` last hidden states; weight ``[V, H]``; bias ``[V]`` or None (as
@@ -311,16 +362,17 @@ def linear_log_probs(
         mask: ``[N]`` bool or 0/1, or None (all rows); rows with 0 are skipped and give 0.
         temperature: > 0, the sampling temperature.
         return_entropy: also compute the per-row entropy (nats).
-        chunk_size, backend: as :func:`fused_linear_policy_loss`.
+        chunk_size, vocab_block, backend: as :func:`fused_linear_policy_loss`.
 
     Returns:
         ``(logp, entropy)``: fp32 ``[N]`` (nats) and fp32 ``[N]`` or None; detached.
 
     Raises:
-        ValueError: the same checks and messages as :func:`fused_linear_policy_loss` (non-finite logits rows
-            included).
+        ValueError: the same checks and messages as :func:`fused_linear_policy_loss` (a label outside ``[0, V)`` or
+            a logits row without a finite log-sum-exp on a kept row included: read at once, one host read after the
+            blocks, since a forward-only pass has no optimizer step to wait for).
     """
-    _check_linear_inputs(hidden, weight, bias, chunk_size, backend)
+    _check_linear_inputs(hidden, weight, bias, chunk_size, vocab_block, backend)
     n, v = hidden.shape[0], weight.shape[0]
     keep = torch.ones(n, dtype=torch.bool, device=hidden.device) if mask is None else mask
     zeros = torch.zeros(n, dtype=torch.float32, device=hidden.device)  # the loss's inputs are unused here
@@ -328,11 +380,15 @@ def linear_log_probs(
         n, v, hidden.device, "hidden [N, H]", labels, zeros, zeros, keep, None,
         0.0, 0.2, 0.2, None, 0.0, "k3", temperature,
     )  # fmt: skip
-    options = dict(alpha=0.0, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_estimator="k3",
-                   temperature=float(temperature), return_entropy=bool(return_entropy))  # fmt: skip
-    rows = _kept_rows(keep, labels, zeros, zeros, None)
-    chunk = chunk_size or default_chunk_size(v, hidden.dtype)
+    index = keep.bool().nonzero().squeeze(1)
+    plan, _ = _plan(index.numel(), weight, backend, chunk_size, vocab_block, temperature, return_entropy)
     with torch.no_grad():
-        _, logp, _, _, entropy = _forward(hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
-                                          rows, n, chunk, options, backend)  # fmt: skip
-    return logp, entropy
+        kept_labels = labels.index_select(0, index).contiguous()
+        stats = _row_stats(hidden.detach().index_select(0, index), weight.detach(),
+                           None if bias is None else bias.detach(), kept_labels, plan)  # fmt: skip
+        logp, entropy, bad, _, _ = _logp_entropy(stats)
+        rows = input_status(labels, zeros, zeros, keep.bool(), None, v)
+        rows[index] |= torch.where(bad, BAD_LOGITS, 0).to(torch.int32)
+        # a forward-only pass: read at once
+        ValueStatus.of_rows(rows, v, temperature, _row_logits(hidden, weight, bias)).raise_if_bad()
+    return _scatter(logp, index, n), _scatter(entropy, index, n) if return_entropy else None

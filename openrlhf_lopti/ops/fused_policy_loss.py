@@ -1,21 +1,23 @@
 """``fused_policy_loss``: logits -> log-prob -> AR weight -> clipped surrogate -> KL, one call, three backends.
 
 The math is :func:`openrlhf_lopti.algo.policy_loss_from_logits` (the ``"torch"`` backend); ``"triton"`` and
-``"cpp"`` compute the same per-token outputs without an fp32 ``[N, V]`` copy of the logits. Every input
-is checked here, once, before any backend runs, so a kernel never sees a bad index or a NaN it did not make;
-the logits' values excepted: reading ``[N, V]`` twice would cost as much as the loss, so each backend flags
-rows holding NaN / +inf in the pass it makes anyway, and the ``ValueError`` comes right after the forward.
+``"cpp"`` compute the same per-token outputs without an fp32 ``[N, V]`` copy of the logits. Shapes, dtypes,
+devices and options are checked here, before any backend runs; the values (ids in range, finite log-probs and
+advantages, a finite log-sum-exp per logits row) by each backend, as per-row status bits written in the pass it
+makes anyway (``ops/value_status.py``), read when the check policy (``check``) says: at once, at the trainer's
+optimizer step, or never. No host sync otherwise.
 """
 
 import math
-from dataclasses import astuple
-from typing import Optional
+from collections import Counter
+from typing import Dict, Optional
 
 import torch
 
-from ..algo import KL_ESTIMATORS, PolicyLossOutput, check_alpha, policy_loss_from_logits
-from ..algo.policy_loss import check_logit_rows
+from ..algo import KL_ESTIMATORS, check_alpha
+from .loss_head_output import LossHeadOutput
 from .loss_options import LossOptions, resolve_options
+from .torch_policy_loss import torch_policy_loss
 
 BACKENDS = ("auto", "triton", "cpp", "torch")
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -110,28 +112,8 @@ def _check_row_inputs(
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
-    # Value checks on the rows that will be computed; one host sync for all of them. Float vectors of any
-    # dtype are accepted and every backend rounds them to float32 first, so finiteness is checked there
-    # (a float64 1e300 is finite, its float32 is not).
-    keep = mask.bool()
-    bad = torch.stack(
-        [
-            (keep & ((labels < 0) | (labels >= v))).any(),
-            (keep & ~torch.isfinite(old_log_probs.float())).any(),
-            (keep & ~torch.isfinite(advantages.float())).any(),
-            (keep & ~torch.isfinite(ref_log_probs.float())).any() if ref_log_probs is not None else keep.new_zeros(()),
-        ]
-    ).tolist()
-    in_fp32 = "on unmasked rows (as float32, the precision of the loss)"
-    messages = [
-        f"labels must be token ids in [0, V) = [0, {v}) on unmasked rows",
-        f"old_log_probs must be finite {in_fp32}",
-        f"advantages must be finite {in_fp32}",
-        f"ref_log_probs must be finite {in_fp32}",
-    ]
-    for is_bad, message in zip(bad, messages):
-        if is_bad:
-            raise ValueError(message)
+    # The values (ids in range, finite floats, finite log-sum-exp per row) are checked by each backend as status
+    # bits in the pass it makes anyway (ops/value_status.py), and read when the check policy says.
 
 
 def resolve_backend(backend: str, logits: torch.Tensor) -> str:
@@ -148,6 +130,43 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
     from .cpp_policy_loss import cpp_available
 
     return "cpp" if cpp_available() else "torch"
+
+
+def check_weights(n: int, device: torch.device, loss_weights, entropy_weights, grad_in_logits) -> None:
+    """The checks of the one-pass head's arguments for ``N`` rows on ``device`` (one-line ``ValueError``s)."""
+    for name, weights in (("loss_weights", loss_weights), ("entropy_weights", entropy_weights)):
+        if weights is None:
+            continue
+        if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (n,) or not weights.dtype.is_floating_point:
+            got = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+            raise ValueError(f"{name} must be None or a float tensor of shape [N]=[{n}], got {got}")
+        if weights.device != device:
+            raise ValueError(f"{name} is on {weights.device} but the rows are on {device}")
+    if entropy_weights is not None and loss_weights is None:
+        raise ValueError("entropy_weights needs loss_weights (the one-pass head reduces both), got loss_weights=None")
+    if grad_in_logits and loss_weights is None:
+        raise ValueError("grad_in_logits=True needs loss_weights (only the one-pass head writes a gradient up front)")
+
+
+_BACKENDS_RAN: Counter = Counter()
+
+
+def backends_ran() -> Dict[str, int]:
+    """How many loss-head calls each backend ran in this process (``{"triton": 12, ...}``): what a benchmark reads to
+    record the backend behind a figure."""
+    return dict(_BACKENDS_RAN)
+
+
+def apply_check_policy(out: LossHeadOutput, check: str) -> LossHeadOutput:
+    """``out`` after its check policy: ``"eager"`` raises the first bad row now (one 4-byte read), ``"step"`` leaves
+    ``out.status`` for the trainer's :class:`~openrlhf_lopti.ops.value_status.StepChecks`, ``"off"`` drops it."""
+    _BACKENDS_RAN[out.backend] += 1
+    if check == "eager":
+        out.status.raise_if_bad()
+        out.status.row_logits = None
+    elif check == "off":
+        out.status = None
+    return out
 
 
 def fused_policy_loss(
@@ -167,8 +186,12 @@ def fused_policy_loss(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    check: str = "eager",
+    loss_weights: Optional[torch.Tensor] = None,
+    entropy_weights: Optional[torch.Tensor] = None,
+    grad_in_logits: bool = False,
     options: Optional[LossOptions] = None,
-) -> PolicyLossOutput:
+) -> LossHeadOutput:
     """Per-token PPO/GRPO policy loss with Advantage Reweighting and KL, straight from the logits.
 
     Args:
@@ -190,48 +213,74 @@ def fused_policy_loss(
         return_entropy: also return the per-row entropy of ``softmax(logits / temperature)`` (differentiable).
         backend: ``"auto"`` (triton on CUDA, cpp on CPU when built, else torch), ``"triton"``, ``"cpp"``,
             ``"torch"``.
-        options: a :class:`~openrlhf_lopti.ops.LossOptions` holding ``alpha`` .. ``backend`` (what the front
+        check: when the value checks are read (``ops/value_status.py``): ``"eager"`` (in this call), ``"step"``
+            (the caller's :class:`~openrlhf_lopti.ops.value_status.StepChecks`, before its optimizer step) or
+            ``"off"``.
+        loss_weights: ``[N]`` float per-token weights of the reduced loss, or None. Given, the call returns
+            ``reduced = sum(loss_weights * loss) + sum(entropy_weights * entropy)`` and only ``reduced`` carries a
+            gradient: the Triton kernel then writes the gradient w.r.t. the logits while it reads them (the
+            one-pass head) and the backward only scales it. The reductions the front ends use are such weights
+            (a token mean: ``mask / count``; :func:`~openrlhf_lopti.algo.loss_reduction_weights`).
+        entropy_weights: ``[N]`` float weights of the entropy in ``reduced`` (e.g. ``-coef * loss_weights`` for an
+            entropy bonus), or None; needs ``loss_weights``, and returns the entropy too.
+        grad_in_logits: with ``loss_weights``, the Triton kernel writes the gradient into the logits' own buffer
+            (one ``[N, V]`` less; the logits are overwritten, so only for a caller that no longer needs them).
+        options: a :class:`~openrlhf_lopti.ops.LossOptions` holding ``alpha`` .. ``check`` (what the front
             ends pass), instead of those keywords.
 
     Returns:
-        :class:`~openrlhf_lopti.algo.PolicyLossOutput`: fp32 ``loss``, ``logp``, ``kl``, bool ``clipped``,
-        and ``entropy`` or None, each ``[N]``. Gradients reach ``logits`` through ``loss``, ``logp`` and
-        ``entropy``.
+        :class:`~openrlhf_lopti.ops.loss_head_output.LossHeadOutput`: fp32 ``loss``, ``logp``, ``kl``, bool
+        ``clipped``, and ``entropy`` or None, each ``[N]``; ``reduced`` (with ``loss_weights``); ``backend``, the
+        backend that ran; ``status``, the value checks (unread under ``"step"``). Gradients reach ``logits``
+        through ``loss``, ``logp`` and ``entropy``, or through ``reduced`` alone.
 
     Raises:
-        ValueError: naming the argument, for any bad shape, device, dtype, id or non-finite value,
-            before anything is launched. And after the forward, before anything is returned: naming the
-            first unmasked ``logits`` row that holds a NaN or +inf, or only -inf (-inf alone is legal and
-            exact: probability 0, zero gradient). Each backend flags such rows in the pass it already makes
-            over every row; reading the flags costs one device-to-host sync, on top of the one the input
-            checks pay.
+        ValueError: naming the argument, for any bad shape, device, dtype or option, before anything is launched.
+            Under ``check="eager"``, after the forward, before anything is returned: for the first unmasked row
+            with a label outside ``[0, V)``, a non-finite ``old_log_probs`` / ``advantages`` / ``ref_log_probs``,
+            or logits holding a NaN or +inf, or only -inf (-inf alone is legal and exact: probability 0, zero
+            gradient). Every backend sets those rows' status bits in the pass it already makes; reading them is one
+            4-byte device-to-host read. Under ``"step"`` the same error comes from
+            :meth:`~openrlhf_lopti.ops.value_status.StepChecks.raise_if_bad`; a flagged row's ``loss`` and ``logp``
+            are NaN under every policy.
     """
-    alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, backend = astuple(resolve_options(
+    settings = resolve_options(
         options, alpha=alpha, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, kl_coef=kl_coef,
-        kl_estimator=kl_estimator, temperature=temperature, backend=backend,
-    ))  # fmt: skip
-    _check_inputs(
-        logits, labels, old_log_probs, advantages, mask, ref_log_probs,
-        alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, backend,
+        kl_estimator=kl_estimator, temperature=temperature, backend=backend, check=check,
     )  # fmt: skip
-    options = dict(
-        ref_log_probs=ref_log_probs,
-        alpha=float(alpha),
-        eps_low=float(eps_low),
-        eps_high=float(eps_high),
-        dual_clip=None if dual_clip is None else float(dual_clip),
-        kl_coef=float(kl_coef),
-        kl_estimator=kl_estimator,
-        temperature=float(temperature),
-        return_entropy=return_entropy,
-    )
-    chosen = resolve_backend(backend, logits)
-    if chosen == "torch":  # the reference checks its rows itself (same check, same message)
-        return policy_loss_from_logits(logits, labels, old_log_probs, advantages, mask, **options)
+    _check_inputs(
+        logits, labels, old_log_probs, advantages, mask, ref_log_probs, settings.alpha, settings.eps_low,
+        settings.eps_high, settings.dual_clip, settings.kl_coef, settings.kl_estimator, settings.temperature,
+        settings.backend,
+    )  # fmt: skip
+    check_weights(logits.shape[0], logits.device, loss_weights, entropy_weights, grad_in_logits)
+    chosen = resolve_backend(settings.backend, logits)
     if chosen == "triton":
         from .triton import triton_policy_loss as run
-    else:
+    elif chosen == "cpp":
         from .cpp_policy_loss import cpp_policy_loss as run
-    out, bad_rows = run(logits, labels, old_log_probs, advantages, mask, **options)
-    check_logit_rows(bad_rows, logits, options["temperature"])  # the host sync after the forward
-    return out
+    else:
+        run = torch_policy_loss
+    out = run(
+        logits, labels, old_log_probs, advantages, mask, **kernel_options(settings, ref_log_probs, return_entropy
+        or entropy_weights is not None), loss_weights=loss_weights, entropy_weights=entropy_weights,
+        grad_in_logits=grad_in_logits,
+    )  # fmt: skip
+    if not return_entropy:
+        out.entropy = None
+    return apply_check_policy(out, settings.check)
+
+
+def kernel_options(settings: LossOptions, ref_log_probs: Optional[torch.Tensor], return_entropy: bool) -> dict:
+    """The keyword arguments every backend takes, from the call's settings (floats as Python floats)."""
+    return dict(
+        ref_log_probs=ref_log_probs,
+        alpha=float(settings.alpha),
+        eps_low=float(settings.eps_low),
+        eps_high=float(settings.eps_high),
+        dual_clip=None if settings.dual_clip is None else float(settings.dual_clip),
+        kl_coef=float(settings.kl_coef),
+        kl_estimator=settings.kl_estimator,
+        temperature=float(settings.temperature),
+        return_entropy=bool(return_entropy),
+    )

@@ -8,6 +8,8 @@ it to ``fused_policy_loss`` / ``fused_linear_policy_loss`` (``options=``), inste
 from dataclasses import dataclass
 from typing import Optional
 
+from .value_status import check_policy
+
 
 @dataclass(frozen=True)
 class LossOptions:
@@ -21,6 +23,9 @@ class LossOptions:
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
         temperature: the rollout's sampling temperature (> 0); logits are divided by it.
         backend: ``"auto"``, ``"triton"``, ``"cpp"`` or ``"torch"``.
+        check: when the value checks are read: ``"eager"`` (in the call; a standalone call's default), ``"step"``
+            (before the trainer's optimizer step, what our trainers set: no host sync in the loss head) or
+            ``"off"`` (``ops/value_status.py``).
     """
 
     alpha: float = 0.0
@@ -31,6 +36,10 @@ class LossOptions:
     kl_estimator: str = "k3"
     temperature: float = 1.0
     backend: str = "auto"
+    check: str = "eager"
+
+    def __post_init__(self) -> None:
+        check_policy(self.check)
 
 
 def resolve_options(options: Optional[LossOptions], **fields) -> LossOptions:

@@ -60,7 +60,7 @@ except ModuleNotFoundError as exc:
     raise ImportError(MISSING_TRL, name="trl") from None
 
 with _quiet_upstream_import():
-    from .config import CLIPPED_LOSS_TYPES, LoptiGRPOConfig, refusals
+    from .config import CLIPPED_LOSS_TYPES, LoptiGRPOConfig, refusals, trl_loss_reason
     from .trainer import LoptiGRPOTrainer, kk_reward
 
-__all__ = ["CLIPPED_LOSS_TYPES", "LoptiGRPOConfig", "LoptiGRPOTrainer", "kk_reward", "refusals"]
+__all__ = ["CLIPPED_LOSS_TYPES", "LoptiGRPOConfig", "LoptiGRPOTrainer", "kk_reward", "refusals", "trl_loss_reason"]

@@ -1,8 +1,9 @@
 """``LoptiGRPOConfig``: TRL's ``GRPOConfig`` plus the options of AR, Lopti, our fused loss kernels and the vLLM engine.
 
 Every check is here, so a bad configuration fails when the config is built, with one line naming the option.
-:func:`refusals` lists what TRL supports that ``LoptiGRPOTrainer`` cannot honour; the trainer runs it again
-with what only it knows (the model, the number of processes).
+:func:`trl_loss_reason` says which loss path runs (the fused kernel where it computes exactly the requested loss,
+else TRL's own loss with AR's weights and the Lopti phase); :func:`refusals` lists the combinations
+``LoptiGRPOTrainer`` refuses; the trainer runs both again with what only it knows (the model, the processes).
 """
 
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from openrlhf_lopti.ops import BACKENDS
 from . import cpu_colocate
 
 # TRL loss types whose per-token term is the PPO clipped surrogate ``fused_policy_loss`` computes; they differ
-# only in how the per-token losses are normalised, and those normalisations are kept.
+# only in how the per-token losses are normalised, and those normalisations are kept. The others run TRL's loss.
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 LOPTI_KEYS = ("lopti_eta", "lopti_quantile")  # the two thresholds' names, for algo.lopti_settings' refusal
 
@@ -31,8 +32,9 @@ class LoptiGRPOConfig(GRPOConfig):
         lopti_order: ``"low_first"`` (Lopti) or ``"high_first"`` (the paper's ablation, which collapses).
         lopti_quantile: if set, in (0, 1): the threshold is this quantile of the generation batch's token
             probabilities over every process; it turns Lopti on by itself. Not with ``lopti_eta`` (refused).
-        fused_loss: compute the per-token loss with ``openrlhf_lopti.ops.fused_policy_loss`` (needed by AR and
-            Lopti). False with AR and Lopti off runs TRL's own loss, untouched.
+        fused_loss: compute the per-token loss with ``openrlhf_lopti.ops.fused_policy_loss`` where it computes
+            exactly the loss TRL's options ask for (:func:`trl_loss_reason`); elsewhere, and with False, TRL's own
+            loss runs, with AR's weights and the Lopti phase when they are on (untouched when they are off).
         fused_lm_head: with ``fused_loss``: ``fused_linear_policy_loss`` on the last hidden states and the
             output layer, so the ``[N, V]`` logits are never made (one process only).
         loss_backend: the kernels' backend, one of ``openrlhf_lopti.ops.BACKENDS`` (``"auto"``: triton on CUDA,
@@ -50,7 +52,9 @@ class LoptiGRPOConfig(GRPOConfig):
     lopti_quantile: Optional[float] = field(
         default=None, metadata={"help": "Threshold = this quantile of the batch's token probabilities."}
     )
-    fused_loss: bool = field(default=True, metadata={"help": "Per-token loss through fused_policy_loss."})
+    fused_loss: bool = field(
+        default=True, metadata={"help": "Loss through fused_policy_loss where it computes the requested loss."}
+    )
     fused_lm_head: bool = field(default=False, metadata={"help": "Loss through fused_linear_policy_loss."})
     loss_backend: str = field(default="auto", metadata={"help": "Kernel backend: auto, triton, cpp or torch."})
     track_direction: bool = field(
@@ -92,8 +96,35 @@ class LoptiGRPOConfig(GRPOConfig):
             raise ValueError(problems[0])
 
 
+def trl_loss_reason(args: LoptiGRPOConfig, multimodal: bool = False) -> Optional[str]:
+    """The first option of ``args`` that ``fused_policy_loss`` does not compute exactly, as ``"name=value"``, or None
+    when the fused kernel computes the requested loss. Where it is not None, TRL's own loss runs (with AR's weights
+    and the Lopti phase: ``LoptiGRPOTrainer._compute_loss``).
+
+    Args:
+        args: the configuration.
+        multimodal: the processing class is a multimodal processor (the fused path passes text tokens only).
+    """
+    if not args.fused_loss:
+        return "fused_loss=False"
+    if args.loss_type not in CLIPPED_LOSS_TYPES:
+        return f"loss_type={args.loss_type!r}"  # not the PPO clipped surrogate
+    if args.importance_sampling_level != "token":
+        return f"importance_sampling_level={args.importance_sampling_level!r}"  # the kernel's ratio is per token
+    for name in ("delta", "off_policy_mask_threshold"):  # two-sided clipping; a mask over each sequence's tokens
+        if getattr(args, name) is not None:
+            return f"{name}={getattr(args, name)!r}"
+    if args.use_adaptive_entropy:
+        return "use_adaptive_entropy=True"  # TRL's controller, kept where it is
+    if multimodal:
+        return "a multimodal processing class"
+    return None
+
+
 def refusals(args: LoptiGRPOConfig, num_processes: int = 1, peft: bool = False, multimodal: bool = False) -> list:
-    """One line per TRL option set in ``args`` that ``LoptiGRPOTrainer`` cannot honour (empty: all fine).
+    """One line per combination in ``args`` that ``LoptiGRPOTrainer`` refuses (empty: all fine). Every option TRL
+    takes runs, on the fused path or on TRL's loss (:func:`trl_loss_reason`); refused are combinations without a
+    meaning and what the fused lm_head cannot do.
 
     Args:
         args: the configuration.
@@ -103,39 +134,31 @@ def refusals(args: LoptiGRPOConfig, num_processes: int = 1, peft: bool = False, 
     """
     out = []
     method = args.ar_alpha != 0 or args.lopti
-    if not args.fused_loss:
-        if method:
-            out.append("ar_alpha / lopti_eta / lopti_quantile need fused_loss=True (fused_loss=False is TRL's own loss)")
-        if args.fused_lm_head:
-            out.append("fused_lm_head=True needs fused_loss=True")
-        return out  # TRL's loss runs untouched: everything TRL supports is supported
-    if args.loss_type not in CLIPPED_LOSS_TYPES:
-        out.append(
-            f"loss_type={args.loss_type!r} is not the PPO clipped surrogate fused_policy_loss computes; "
-            f"use one of {CLIPPED_LOSS_TYPES} or fused_loss=False"
-        )
-    if args.importance_sampling_level != "token":
-        out.append(
-            f"importance_sampling_level={args.importance_sampling_level!r}: the kernel's ratio is per token, and a "
-            "sequence ratio mixes the tokens AR weighs and Lopti separates; use 'token'"
-        )
-    if args.delta is not None:
-        out.append("delta (two-sided clipping) is not in fused_policy_loss; leave delta=None")
-    if args.off_policy_mask_threshold is not None:
-        out.append("off_policy_mask_threshold needs every token's log-prob of a sequence in one pass; leave it None")
-    if args.use_adaptive_entropy:
-        out.append("use_adaptive_entropy is not supported; a fixed entropy_coef is")
-    if args.top_entropy_quantile < 1.0 and args.lopti:
-        out.append("top_entropy_quantile < 1 with Lopti: two token selections on top of each other; use one")
-    if multimodal:
-        out.append("multimodal models are not supported (the loss sees text tokens only)")
     if args.fused_lm_head:
+        reason = trl_loss_reason(args, multimodal)
+        if not args.fused_loss:
+            out.append("fused_lm_head=True needs fused_loss=True")
+        elif reason is not None:
+            out.append(
+                f"fused_lm_head=True with {reason}: the fused lm_head computes the token-level clipped surrogate only "
+                "(this option runs TRL's loss); set fused_lm_head=False"
+            )
         if num_processes > 1:
             out.append("fused_lm_head=True runs on one process only (it calls the backbone outside DDP/FSDP)")
         if args.cast_lm_head_to_fp32:
             out.append("fused_lm_head=True with cast_lm_head_to_fp32=True: the kernel takes the model's dtype")
         if peft:
             out.append("fused_lm_head=True with a PEFT model is not supported")
+    if multimodal and method:
+        out.append(
+            "ar_alpha / lopti_eta / lopti_quantile with a multimodal model: the rollout log-probs AR and Lopti read "
+            "are computed from text tokens only here"
+        )
+    if args.top_entropy_quantile < 1.0 and args.lopti:
+        out.append(
+            f"top_entropy_quantile={args.top_entropy_quantile} with lopti_eta / lopti_quantile: two token selections "
+            "on top of each other (Lopti's phases and TRL's entropy mask); use one"
+        )
     if args.lopti and (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps:
         out.append(
             f"Lopti needs steps_per_generation x num_iterations ({args.steps_per_generation} x {args.num_iterations})"

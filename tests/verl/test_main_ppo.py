@@ -210,13 +210,16 @@ def test_our_plugin_leaves_a_run_without_our_keys_as_verl_trains_it(grpo_v0, grp
 
 
 def test_ar_and_lopti_under_the_default_trainer(ar_lopti_v1, inputs):
+    """The round ran on what verl's default trainer really hands the worker: nested per-response fields."""
     check_trained(ar_lopti_v1, inputs)
     check_ar_lopti(ar_lopti_v1)
+    assert "verl worker: the round's per-response fields are nested (jagged rows)" in ar_lopti_v1["log"]
 
 
 def test_ar_and_lopti_under_the_legacy_trainer(ar_lopti_v0, inputs):
     check_trained(ar_lopti_v0, inputs)
     check_ar_lopti(ar_lopti_v0)
+    assert "verl worker: the round's per-response fields are padded" in ar_lopti_v0["log"]
 
 
 def test_a_bad_key_fails_in_seconds_with_one_line(inputs):

@@ -275,3 +275,26 @@ def test_a_phase_batch_holds_its_tokens_and_their_advantages_only(tiny, layout):
         assert tu.get(part, "mini_batch_size") == MINI and tu.get(part, "temperature") == tiny["temperature"]
     for key in [k for k in before.keys() if isinstance(before[k], torch.Tensor)]:
         assert torch.equal(flat(batch[key]), flat(before[key])), f"phase_batch changed the batch's {key}"
+    if layout == "nested":  # advantages whose rows are not old_log_probs' (one token moved to the next row)
+        offsets = batch["advantages"].offsets().clone()
+        offsets[1] -= 1
+        shifted = batch.copy()
+        shifted["advantages"] = torch.nested.nested_tensor_from_jagged(batch["advantages"].values(), offsets)
+        with pytest.raises(ValueError, match=r"^advantages: a nested field of the Lopti round must have the rows of "
+                                             r"old_log_probs") as info:  # fmt: skip
+            LoptiTrainingWorker.phase_batch(shifted, lopti_round.phases[0].mask)
+        assert "\n" not in str(info.value)  # (before: accepted, each token kept by the phase mask of another row)
+
+
+def test_an_empty_phase_takes_no_optimizer_step(tiny):
+    """The cross-front-end contract (tests/test_lopti_round_contract.py): eta = 1 puts every token in the low phase;
+    the empty high phase is not run, so the round is one plain pass: verl's GRPO step exactly, with its optimizer
+    steps only and the LR schedule where GRPO leaves it."""
+    plain, plain_metrics, plain_worker = run_verl(tiny, METHODS["grpo"], float64=False)
+    lopti, metrics, worker = run_verl(tiny, dict(alpha=0.0, eta=1.0), float64=False)
+    assert metrics["lopti/high/tokens"] == 0 and metrics["lopti/low/tokens"] > 0
+    assert len(metrics["grad_norm"]) == len(plain_metrics["grad_norm"]) == 2 and "lopti/high/grad_norm" not in metrics
+    schedulers = [w.actor.engine.lr_scheduler.state_dict() for w in (worker, plain_worker)]
+    assert schedulers[0]["last_epoch"] == schedulers[1]["last_epoch"] == 1
+    for param in plain:
+        assert torch.equal(lopti[param], plain[param]), param

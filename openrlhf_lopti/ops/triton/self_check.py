@@ -3,7 +3,10 @@
 ``fused_policy_loss(backend="auto")`` sends CUDA tensors to Triton only after :func:`triton_verified` has run the
 kernel forward and backward on a few small cases on that device, in this process, and found it within the
 derived bounds below; otherwise it warns once, with the worst error, and uses the torch reference. The result is
-cached per device. ``openrlhf-lopti check-gpu`` runs the wider :data:`WIDE_CASES` and prints a report; a case that
+cached per device. The check runs in its own grad mode (grad enabled, outside inference mode) whatever mode its
+first caller is in (a trainer's log-prob pass runs under ``no_grad``), and only the kernel's own failures count
+as a failed check: an error of the harness (the reference, the inputs, the comparison) is raised, never cached as
+"use the reference". ``openrlhf-lopti check-gpu`` runs the wider :data:`WIDE_CASES` and prints a report; a case that
 does not fit in the device's free memory is skipped and the report says how much it needs.
 
 A NaN or inf where the reference has a finite value (or the reverse, or another non-finite value) fails the check
@@ -165,18 +168,25 @@ def _call(
         eps_high=0.28, dual_clip=3.0, kl_coef=0.01, kl_estimator="k3", temperature=case.temperature,
         return_entropy=True,
     )  # fmt: skip
-    out = out[0] if isinstance(out, tuple) else out  # the kernel also returns its bad-row flags
     w = inputs["weights"][:, rows]
     total = (out.loss * w[0]).sum() + (out.logp * w[1]).sum() + (out.entropy * w[2]).sum()
     return {name: getattr(out, name).detach() for name in FIELDS}, total
 
 
+class KernelFailed(Exception):
+    """The kernel under check raised (did not compile, crashed): a failed check, not an error of the harness."""
+
+
 def _forward_backward(run, inputs: dict, case: Case) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
-    """``run`` on the whole ``[N, V]`` logits at once (the kernel: its launch over all rows is what is checked)."""
+    """``run`` on the whole ``[N, V]`` logits at once (the kernel: its launch over all rows is what is checked). A
+    kernel that flags a row of these valid inputs gives that row NaN, which fails the comparison."""
     # no copy (a 2^31-element case has no room for one): the reference has already run on these logits
     logits = inputs["logits"].detach().requires_grad_(True)
-    fields, total = _call(run, logits, inputs, slice(None), case)
-    total.backward()
+    try:
+        fields, total = _call(run, logits, inputs, slice(None), case)
+        total.backward()
+    except Exception as exc:  # a kernel that does not compile or crashes on this device: not usable here
+        raise KernelFailed(f"{type(exc).__name__}: {exc}") from exc
     return fields, logits.grad
 
 
@@ -255,7 +265,17 @@ def run_self_check(device: torch.device, cases: Sequence[Case] = QUICK_CASES) ->
     A case larger than the device's free memory (:meth:`Case.bytes_needed`) is skipped and listed in
     ``skipped``; the check passes when every case that ran is within its bounds and at least one ran.
     Returns a :class:`SelfCheck`; never raises for a kernel that fails to compile or run (that is a failed check).
+    Runs with grad enabled and outside inference mode, whatever the caller's mode.
+
+    Raises:
+        Exception: whatever the harness itself raised (the reference, the inputs, the comparison): an error of ours,
+            not a verdict on the kernel.
     """
+    with torch.inference_mode(False), torch.enable_grad():
+        return _run_self_check(device, cases)
+
+
+def _run_self_check(device: torch.device, cases: Sequence[Case]) -> SelfCheck:
     from . import triton_policy_loss
 
     started = time.perf_counter()
@@ -279,8 +299,8 @@ def run_self_check(device: torch.device, cases: Sequence[Case] = QUICK_CASES) ->
             if error >= worst.get(dtype, -1.0):  # never NaN (_errors)
                 worst[dtype] = error
                 worst_case[dtype] = case.label()
-    except Exception as exc:  # a kernel that does not compile or crashes on this device: not usable here
-        return SelfCheck(False, time.perf_counter() - started, error=f"{type(exc).__name__}: {exc}", skipped=skipped)
+    except KernelFailed as exc:
+        return SelfCheck(False, time.perf_counter() - started, error=str(exc), skipped=skipped)
     ok = bool(worst) and all(e <= 1.0 for e in worst.values())
     return SelfCheck(ok, time.perf_counter() - started, worst, worst_case, skipped=skipped)
 

@@ -1,0 +1,76 @@
+"""The ``"torch"`` backend of ``fused_policy_loss``: the reference (``algo.policy_loss_and_bad_rows``) with the value
+checks as status bits, and what the backends that compute per-token outputs first share (:func:`finish_per_token`).
+"""
+
+from typing import Callable, Optional
+
+import torch
+
+from ..algo import PolicyLossOutput
+from ..algo.policy_loss import policy_loss_and_bad_rows
+from .loss_head_output import LossHeadOutput
+from .value_status import BAD_LOGITS, ValueStatus, input_status
+
+
+def finish_per_token(
+    out: PolicyLossOutput,
+    bad_logit_rows: torch.Tensor,
+    vocab_size: int,
+    labels: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_log_probs: Optional[torch.Tensor],
+    temperature: float,
+    loss_weights: Optional[torch.Tensor],
+    entropy_weights: Optional[torch.Tensor],
+    backend: str,
+    row_logits: Optional[Callable[[int], torch.Tensor]] = None,
+) -> LossHeadOutput:
+    """A per-token backend's output (``out``, ``[N]`` fields with autograd) as a :class:`LossHeadOutput`.
+
+    Adds the status bits (the inputs' and ``bad_logit_rows [N]`` bool, what the backend found in its pass over the
+    ``[N, vocab_size]`` logits; ``row_logits`` gives row ``i``'s for the message, when it can), NaN in ``loss`` and ``logp`` of every flagged row (times NaN, so their gradient is NaN too, as the
+    Triton kernel's), and with ``loss_weights`` the reduced scalar, the only field left with a gradient. No host
+    sync.
+    """
+    keep = mask.bool()
+    rows = input_status(labels, old_log_probs, advantages, keep, ref_log_probs, vocab_size)
+    rows = rows | torch.where(keep & bad_logit_rows, BAD_LOGITS, 0).to(torch.int32)
+    poison = torch.where(rows != 0, float("nan"), 1.0).float()
+    loss, logp = out.loss * poison, out.logp * poison
+    entropy = out.entropy
+    reduced = None
+    if loss_weights is not None:
+        reduced = torch.dot(loss_weights.float(), loss)
+        if entropy_weights is not None:
+            reduced = reduced + torch.dot(entropy_weights.float(), entropy)
+        loss, logp = loss.detach(), logp.detach()
+        entropy = None if entropy is None else entropy.detach()
+    return LossHeadOutput(
+        loss=loss, logp=logp, kl=out.kl, clipped=out.clipped, entropy=entropy, reduced=reduced, backend=backend,
+        status=ValueStatus.of_rows(rows, vocab_size, temperature, row_logits),
+    )  # fmt: skip
+
+
+def torch_policy_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_weights: Optional[torch.Tensor] = None,
+    entropy_weights: Optional[torch.Tensor] = None,
+    grad_in_logits: bool = False,
+    **options,
+) -> LossHeadOutput:
+    """The ``"torch"`` backend (inputs' shapes and options checked by ``fused_policy_loss``): eager torch with fp32
+    ``[N, V]`` temporaries. ``options`` as :func:`openrlhf_lopti.algo.policy_loss_from_logits`; ``grad_in_logits``
+    is accepted and ignored (autograd owns the gradient's buffer here)."""
+    out, bad_rows = policy_loss_and_bad_rows(logits, labels.long().clamp(0, max(logits.shape[1] - 1, 0)),
+                                             old_log_probs, advantages, mask, **options)  # fmt: skip
+    return finish_per_token(
+        out, bad_rows, logits.shape[1], labels, old_log_probs, advantages, mask, options.get("ref_log_probs"),
+        options.get("temperature", 1.0), loss_weights, entropy_weights, "torch", logits.__getitem__,
+    )  # fmt: skip
