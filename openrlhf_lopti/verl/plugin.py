@@ -20,10 +20,10 @@ fails leaves verl as it was and is logged as a warning (verl logs a plugin that 
 :class:`~.config.LoptiPolicyLossConfig` with AR or Lopti on (``config.check_plugin``).
 """
 
-import importlib.abc
 import logging
-import sys
-from typing import Callable, Dict
+from typing import Dict
+
+from openrlhf_lopti.after_import import call_after_import
 
 LOGGER = logging.getLogger(__name__)
 # what failed to register in this process, and why (one line each)
@@ -65,44 +65,5 @@ def _set_lopti_worker(engine_workers) -> None:
     engine_workers.ActorRolloutRefWorker.actor_worker_cls = LoptiTrainingWorker
 
 
-class _RunAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds module ``name`` with the other finders and, once it has run, calls ``callback(module)`` (once)."""
-
-    def __init__(self, name: str, callback: Callable):
-        self.name, self.callback, self.loader = name, callback, None
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name or self.loader is not None:
-            return None
-        for finder in sys.meta_path:
-            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        self.loader, spec.loader = spec.loader, self
-        return spec
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        loader = self.loader
-        module.__loader__ = module.__spec__.loader = loader  # the module keeps no trace of this finder
-        sys.meta_path[:] = [finder for finder in sys.meta_path if finder is not self]
-        loader.exec_module(module)
-        self.callback(module)
-
-
-def _after_import(name: str, callback: Callable) -> None:
-    module = sys.modules.get(name)
-    if module is not None:  # already imported: by VERL_USE_EXTERNAL_MODULES, or the CPU seam (VERL_PLATFORM=cpu)
-        callback(module)
-    else:
-        sys.meta_path.insert(0, _RunAfterImport(name, callback))
-
-
-_after_import("verl.trainer.ppo.core_algos", _register_ar_loss)
-_after_import("verl.workers.engine_workers", _set_lopti_worker)
+call_after_import("verl.trainer.ppo.core_algos", _register_ar_loss)
+call_after_import("verl.workers.engine_workers", _set_lopti_worker)
