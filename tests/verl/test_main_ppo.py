@@ -1,6 +1,6 @@
 """verl's own trainer end to end on the CPU: ``CPU=1 bash examples/verl/train_kk_grpo_ar_lopti.sh``, i.e. the real
 ``python -m verl.trainer.main_ppo`` (Ray, FSDP2 actor and reference on gloo, vLLM's CPU build as the rollout
-server, weight sync), 2 RL steps of 2 K&K prompts x 4 responses of at most 32 tokens on a tiny model.
+server, weight sync), 2 RL steps of K&K prompts (responses of at most 32 tokens) on a tiny model.
 
 Four runs, each once per module and read by several tests, none with ``VERL_USE_EXTERNAL_MODULES`` (our package is
 a verl plugin: verl loads it in every process): AR+Lopti under verl's default trainer (``trainer.use_v1=true``: nested
