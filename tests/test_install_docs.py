@@ -1,7 +1,9 @@
 """docs/INSTALL.md's install blocks, one per user: each installs torch 2.13.0 first (CPU blocks from PyTorch's CPU
 wheel index) and pins it in every later pip step, so that pip never downloads a torch that it then replaces; the
 later steps of the CPU blocks, resolved with ``pip install --dry-run`` against an environment that holds only
-torch 2.13.0+cpu (this environment's, linked), would install no other torch and nothing of CUDA.
+torch 2.13.0+cpu (this environment's, linked), would install no other torch and nothing of CUDA. The verl CPU block is
+the Makefile's ``venv-verl`` recipe, step by step: CI runs that recipe for real (``make test``), and tests/verl checks
+the environment it builds (``test_plugin.py``).
 
 The dry runs ask the package index (as a user's pip does): about 30-60 s each here, two of them.
 """
@@ -160,3 +162,25 @@ def test_the_example_scripts_the_blocks_run_take_those_arguments():
                     pytest.fail(f"`{command}` does not parse: exit {exc.code}")
                 ran += 1
     assert ran >= 1
+
+
+def makefile_recipe(target: str, pip: str) -> list:
+    """The pip commands of a Makefile recipe as a user types them: ``pip`` for ``pip``'s variable, the Makefile's
+    torch and constraints variables expanded."""
+    makefile = (REPO / "Makefile").read_text()
+    torch_cpu = re.search(r"^TORCH_CPU := (.*)$", makefile, re.M).group(1)
+    recipe = makefile.split(f"\n{target}:")[1].split("touch $@")[0]
+    steps = []
+    for line in recipe.splitlines():
+        if pip in line:
+            line = line.replace(pip, "pip").replace("$(TORCH_CPU)", torch_cpu)
+            steps.append(" ".join(shlex.split(line.replace("$(CONSTRAINTS)", " ".join(CONSTRAINT)))))
+    return steps
+
+
+def test_the_verl_cpu_block_is_make_venv_verl():
+    """One recipe, two copies: `make venv-verl` (what the tests run in) and the block a user pastes."""
+    (key,) = [k for k in BLOCKS if k[0].startswith("verl") and k[1] == "CPU"]
+    block = [c for c in BLOCKS[key] if re.match(r"([A-Z_][A-Z0-9_]*=\S* )*pip ", c)]
+    assert block == makefile_recipe("$(VERL_VENV)/.installed", "$(VERL_PIP)")
+

@@ -44,7 +44,8 @@ LAYERS = (
     ("runs", "models"),
     ("ops",),
     ("algo",),
-    ("errors", "install", ""),  # "": the package's own __init__ (its version); install: the pip command hints
+    # "": the package's own __init__ (its version); install: the pip command hints; after_import: an import hook
+    ("errors", "install", "after_import", ""),
 )
 LAYER = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}
 ALIASES = {"_C": "ops"}  # the C++ extension ops/cpp_policy_loss.py loads

@@ -15,6 +15,7 @@ import pytest
 
 from openrlhf_lopti.__main__ import COMMANDS
 from openrlhf_lopti.errors import UserError
+from tests.doc_blocks import fenced_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -44,20 +45,9 @@ def load_module(name: str):
 def fenced_commands(text: str) -> list[tuple[int, list[str]]]:
     """``(line number, words)`` of each `openrlhf-lopti ...` / `python -m openrlhf_lopti...` command in a
     fenced code block (backslash continuations joined, comments and ``VAR=value`` prefixes dropped)."""
-    commands, inside, pending, start = [], False, "", 0
-    for number, line in enumerate(text.splitlines(), start=1):
-        if line.lstrip().startswith("```"):
-            inside, pending = not inside, ""
-            continue
-        if not inside:
-            continue
-        if not pending:
-            start = number
-        pending += line.rstrip()
-        if pending.endswith("\\"):
-            pending = pending[:-1] + " "
-            continue
-        logical, pending = re.sub(r"<[^<>]*>", PLACEHOLDER, pending), ""
+    commands = []
+    for start, line in fenced_lines(text):
+        logical = re.sub(r"<[^<>]*>", PLACEHOLDER, line)
         try:
             words = shlex.split(logical, comments=True)
         except ValueError:  # not shell (e.g. a Python block)

@@ -19,6 +19,7 @@ import pytest
 
 pytest.importorskip("trl")
 
+from .doc_blocks import fenced_lines  # noqa: E402
 from .ds_ranks import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,19 +29,9 @@ SCRIPT = "examples/trl/train_kk_grpo_ar_lopti.py"
 
 def example_commands() -> list:
     """``(line, words)`` of each fenced shell command in docs/TRL.md that runs the example."""
-    commands, inside, pending, start = [], False, "", 0
-    for number, line in enumerate(DOC.read_text(encoding="utf-8").splitlines(), start=1):
-        if line.lstrip().startswith("```"):
-            inside, pending = not inside, ""
-            continue
-        if not inside:
-            continue
-        start = start if pending else number
-        pending += line.rstrip()
-        if pending.endswith("\\"):
-            pending = pending[:-1] + " "
-            continue
-        words, pending = shlex.split(pending, comments=True), ""
+    commands = []
+    for number, line in fenced_lines(DOC.read_text(encoding="utf-8")):
+        words = shlex.split(line, comments=True)
         if SCRIPT in words:
             commands.append((number, words))
     return commands

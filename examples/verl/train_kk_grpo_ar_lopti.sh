@@ -5,8 +5,11 @@
 #   METHOD=ar+lopti bash examples/verl/train_kk_grpo_ar_lopti.sh        # grpo | ar | lopti | ar+lopti
 #   DRY_RUN=1 bash examples/verl/train_kk_grpo_ar_lopti.sh              # print main_ppo's overrides, run nothing
 #   CPU=1 MODEL=/tmp/tiny DATA=/tmp/kk bash examples/verl/train_kk_grpo_ar_lopti.sh   # rehearse it on a CPU
+#   VERL_PLATFORM=cpu python -m verl.trainer.main_ppo $(CPU=1 DRY_RUN=1 MODEL=/tmp/tiny DATA=/tmp/kk bash <this>)
+#                                                      # the same rehearsal by hand (DATA made first)
 #
-# Runs verl's own trainer, `python -m verl.trainer.main_ppo`, with vLLM as the rollout server. CPU=1 runs the same
+# Runs verl's own trainer, `python -m verl.trainer.main_ppo`, with vLLM as the rollout server; AR and Lopti come from
+# our package's verl plugin, which verl loads in every process (no environment variable). CPU=1 runs the same
 # trainer on a machine without a GPU (openrlhf_lopti/verl/cpu.py: verl's platform "cpu", vLLM's CPU build, a
 # private local Ray cluster) with small defaults: NGPUS=1 actor rank, 2 RL steps of 2 prompts x 4 responses of at
 # most 32 tokens. Environment: PYTHON, MODEL, DATA, NGPUS, METHOD, CPU, DRY_RUN. Extra arguments are passed to
@@ -28,7 +31,8 @@ case "$METHOD" in
   *) echo "METHOD must be grpo, ar, lopti or ar+lopti, got '$METHOD'" >&2; exit 2 ;;
 esac
 
-REWARD=$("$PYTHON" -c 'import os, openrlhf_lopti; print(os.path.join(os.path.dirname(openrlhf_lopti.__file__), "verl", "reward.py"))')
+# the K&K reward as verl loads a module of an installed package (every node imports its own copy)
+REWARD=pkg://openrlhf_lopti.verl.reward
 ACTOR=actor_rollout_ref.actor
 ARGS=(
   algorithm.adv_estimator=grpo
@@ -52,13 +56,6 @@ ARGS=(
   $ACTOR.clip_ratio_low=0.2
   $ACTOR.clip_ratio_high=0.24
   $ACTOR.loss_agg_mode=token-mean
-  # AR and Lopti: our policy-loss config, the 'ar' loss, Lopti's threshold (null: off); ++: an extra argument
-  # may set them again
-  $ACTOR.policy_loss._target_=openrlhf_lopti.verl.LoptiPolicyLossConfig
-  $ACTOR.policy_loss.loss_mode=$LOSS
-  ++$ACTOR.policy_loss.ar_alpha=$ALPHA
-  ++$ACTOR.policy_loss.lopti_eta=$ETA
-  ++$ACTOR.policy_loss.lopti_order=low_first
   actor_rollout_ref.rollout.name=vllm
   actor_rollout_ref.rollout.n=8
   actor_rollout_ref.rollout.temperature=0.7
@@ -77,13 +74,30 @@ ARGS=(
   trainer.project_name=lopti-kk
   trainer.experiment_name="kk-$METHOD"
 )
+if [ "$METHOD" != grpo ]; then  # GRPO alone is verl's own config: none of our keys
+  ARGS+=(
+    # AR and Lopti: our policy-loss config, the 'ar' loss, Lopti's threshold (null: off); ++: an extra argument
+    # may set them again
+    $ACTOR.policy_loss._target_=openrlhf_lopti.verl.LoptiPolicyLossConfig
+    $ACTOR.policy_loss.loss_mode=$LOSS
+    ++$ACTOR.policy_loss.ar_alpha=$ALPHA
+    ++$ACTOR.policy_loss.lopti_eta=$ETA
+    ++$ACTOR.policy_loss.lopti_order=low_first
+  )
+fi
 
 if [ -n "$CPU" ]; then
-  # a private Ray temp dir (short: Ray's socket paths must stay under 108 characters), removed at exit
-  RAY_TMP=$(mktemp -d /tmp/verl-ray-XXXXXX)
-  trap 'rm -rf "$RAY_TMP"' EXIT
+  TEMP_DIR=()
+  if [ -z "${DRY_RUN:-}" ]; then
+    # a private Ray temp dir (short: Ray's socket paths must stay under 108 characters), removed at exit
+    RAY_TMP=$(mktemp -d /tmp/verl-ray-XXXXXX)
+    trap 'rm -rf "$RAY_TMP"' EXIT
+    TEMP_DIR=(--temp-dir "$RAY_TMP")
+  fi
   # main_ppo's CPU overrides (openrlhf_lopti/verl/cpu_overrides.py, run by path: it imports nothing of verl)
-  mapfile -t CPU_ARGS < <("$PYTHON" "$(dirname "$REWARD")/cpu_overrides.py" --ngpus "$NGPUS" --temp-dir "$RAY_TMP")
+  OVERRIDES=$("$PYTHON" -c 'import os, openrlhf_lopti as p; print(os.path.join(os.path.dirname(p.__file__), "verl"))')
+  OVERRIDES=$OVERRIDES/cpu_overrides.py
+  mapfile -t CPU_ARGS < <("$PYTHON" "$OVERRIDES" --ngpus "$NGPUS" "${TEMP_DIR[@]}")
   [ "${#CPU_ARGS[@]}" -gt 0 ] || { echo "CPU=1: cpu_overrides.py printed no overrides (NGPUS=$NGPUS)" >&2; exit 2; }
   ARGS+=(
     "${CPU_ARGS[@]}"
@@ -114,8 +128,6 @@ if [ ! -f "$DATA/train.parquet" ]; then
   "$PYTHON" -m openrlhf_lopti.verl.data "$DATA"            # -> train.parquet, test.parquet
 fi
 
-# the one environment variable: verl imports our package in every process (the 'ar' loss, the Lopti worker)
-export VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl
 if [ -n "$CPU" ]; then
   "$PYTHON" -m verl.trainer.main_ppo "${ARGS[@]}" "$@"      # not exec: the EXIT trap removes Ray's temp dir
 else

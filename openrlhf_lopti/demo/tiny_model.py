@@ -7,6 +7,11 @@ write any string, and every K&K word (names, roles, connectives, tags, list mark
 It has a ChatML chat template (``--data.apply_chat_template``) whose end-of-turn token is the eos. The
 weights are random: rewards are near the format floor, which is what a dry run needs.
 
+A dry run checks the pipeline, not the method: a random model samples every token at p of about 1/vocabulary,
+below any Lopti eta, so every token is in the low phase and the high phase trains nothing: its metrics are zeros
+(half the optimizer steps of a TRL run log zeros). A quantile threshold (OpenRLHF ``--algo.lopti.quantile``, TRL
+``lopti_quantile``, verl ``policy_loss.lopti_quantile``) or a warmed-up model puts tokens in both phases.
+
 The builders: :func:`build_tiny_llama` (a random ``LlamaForCausalLM`` sized for any tokenizer),
 :func:`build_word_tokenizer` (the demo's word-level vocabulary, one id per compact K&K word: the demo and the
 audit warm it up), :func:`build_kk_tokenizer` (the byte-level BPE above) and :func:`build_tiny_model` (both).
@@ -152,7 +157,8 @@ def build_tiny_model(hidden_size: int = 64, num_layers: int = 2, num_heads: int 
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(prog="openrlhf-lopti tiny-model", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="openrlhf-lopti tiny-model", description=__doc__.split("\n\n")[0],
+                       epilog=__doc__.split("\n\n")[2].replace("``", "`"))  # the dry run's warning
     p.add_argument("--out", required=True, help="directory to write (must not exist or be empty)")
     p.add_argument("--hidden-size", type=int, default=64, help="model width (default 64)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")

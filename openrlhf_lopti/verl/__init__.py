@@ -1,16 +1,19 @@
 """AR and Lopti for verl 0.9 (extra ``[verl]``, its own environment: docs/VERL.md).
 
-Importing this package (``VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl`` makes verl import it in every process)
-does, through verl's own extension points and without editing verl:
+Installed, this package is a verl plugin: verl loads its ``verl.plugins`` entry point (:mod:`.plugin`) in every
+process that imports verl, which
 
 - registers the policy loss ``ar`` (:mod:`.loss`): ``actor_rollout_ref.actor.policy_loss.loss_mode=ar``;
 - makes :class:`LoptiTrainingWorker` (:mod:`.worker`) the actor's training worker
-  (``ActorRolloutRefWorker.actor_worker_cls``); with Lopti off and no AR it is verl's ``TrainingWorker`` unchanged;
-- registers verl's ``cpu`` platform, and with ``VERL_PLATFORM=cpu`` runs verl on the CPU (:mod:`.cpu`).
+  (``ActorRolloutRefWorker.actor_worker_cls``); with Lopti off and no AR it is verl's ``TrainingWorker`` unchanged.
 
-The keys (``ar_alpha``, ``lopti_eta``, ``lopti_order``, ``lopti_quantile``) live in
-``actor_rollout_ref.actor.policy_loss`` with ``_target_=openrlhf_lopti.verl.LoptiPolicyLossConfig`` (:mod:`.config`).
+Importing this package registers neither (only the plugin does): it checks that verl is there and, with
+``VERL_PLATFORM=cpu``, runs verl on the CPU in this process (:mod:`.cpu`). The keys (``ar_alpha``, ``lopti_eta``,
+``lopti_order``, ``lopti_quantile``) live in ``actor_rollout_ref.actor.policy_loss`` with
+``_target_=openrlhf_lopti.verl.LoptiPolicyLossConfig`` (:mod:`.config`).
 """
+
+import importlib
 
 from openrlhf_lopti.install import checkout, pip_install
 
@@ -27,19 +30,20 @@ except ModuleNotFoundError as exc:
         raise
     raise ImportError(MISSING_VERL) from None
 
-# first: registers verl's "cpu" platform; with VERL_PLATFORM=cpu, verl on the CPU in this process (cpu.py), before
-# anything of verl reads its platform or looks vLLM up (the import below does)
+# registers verl's "cpu" platform (never auto-detected); with VERL_PLATFORM=cpu, verl on the CPU in this process
+# (cpu.py), before anything of verl reads its platform or looks vLLM up
 from . import cpu  # noqa: E402
 
 if cpu.selected():
     cpu.use_cpu()
 
-from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: E402
+# the public names, imported on first use: importing the package must not register anything (the plugin does)
+_PUBLIC = {"ConfigError": "config", "LoptiPolicyLossConfig": "config", "LoptiTrainingWorker": "worker",
+           "compute_policy_loss_ar": "loss"}  # fmt: skip
+__all__ = sorted(_PUBLIC)
 
-from .config import ConfigError, LoptiPolicyLossConfig
-from .loss import compute_policy_loss_ar
-from .worker import LoptiTrainingWorker
 
-ActorRolloutRefWorker.actor_worker_cls = LoptiTrainingWorker
-
-__all__ = ["ConfigError", "LoptiPolicyLossConfig", "LoptiTrainingWorker", "compute_policy_loss_ar"]
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)

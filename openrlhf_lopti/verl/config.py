@@ -19,6 +19,7 @@ front end. What verl must be set to for Lopti (:func:`check_lopti_actor`) is che
 its loss function, before any training.
 """
 
+import sys
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -78,12 +79,33 @@ class LoptiPolicyLossConfig(PolicyLossConfig):
                 f"{POLICY_LOSS_KEY}.ar_alpha is {self.ar_alpha} but {POLICY_LOSS_KEY}.loss_mode is "
                 f"{self.loss_mode!r}: AR is the 'ar' loss, set loss_mode=ar"
             )
+        if self.loss_mode == "ar":
+            check_plugin(f"{POLICY_LOSS_KEY}.loss_mode=ar")
+        if self.lopti is not None:
+            check_plugin(f"Lopti ({POLICY_LOSS_KEY}.lopti_eta / lopti_quantile)")
 
     @property
     def lopti(self) -> Optional[LoptiSettings]:
         """Lopti's settings (``algo.lopti_settings``), or None when Lopti is off."""
         keys = (f"{POLICY_LOSS_KEY}.lopti_eta", f"{POLICY_LOSS_KEY}.lopti_quantile")
         return lopti_settings(self.lopti_eta is not None, self.lopti_eta, self.lopti_order, self.lopti_quantile, keys)
+
+
+def check_plugin(what: str) -> None:
+    """Raise :class:`ConfigError` (one line) when ``what`` would not run in this process: our verl plugin
+    (:mod:`.plugin`, which registers the ``ar`` loss and the Lopti worker) was not loaded here, or failed.
+    Without it verl would run ``vanilla`` with our keys ignored, or fail on an unknown loss mode in a worker."""
+    plugin = sys.modules.get("openrlhf_lopti.verl.plugin")  # read, not imported: importing it would load it
+    if plugin is None:
+        raise ConfigError(
+            f"{what} needs openrlhf_lopti's verl plugin, not loaded in this process: verl loads it from the installed "
+            "package (entry point 'openrlhf_lopti' of the group verl.plugins) unless VERL_USE_EXTERNAL_PLUGINS leaves "
+            "it out; with the package in a Ray job's py_modules, set "
+            "VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl.plugin"
+        )
+    reason = plugin.unavailable(what)
+    if reason:
+        raise ConfigError(reason)
 
 
 def ar_alpha_of(config) -> float:

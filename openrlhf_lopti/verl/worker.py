@@ -1,8 +1,8 @@
 """Lopti for verl: :class:`LoptiTrainingWorker`, verl's ``TrainingWorker`` driving ``algo.plan_round``'s phases.
 
-Selected through verl's own extension point ``ActorRolloutRefWorker.actor_worker_cls`` (set when
-``openrlhf_lopti.verl`` is imported, e.g. by ``VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl``). With Lopti off and
-no AR it is verl's ``TrainingWorker`` unchanged. Its settings come from the loss function verl hands it
+Selected through verl's own extension point ``ActorRolloutRefWorker.actor_worker_cls`` (set by our verl plugin,
+:mod:`.plugin`, when verl imports ``engine_workers``). With Lopti off and no AR it is verl's ``TrainingWorker``
+unchanged. Its settings come from the loss function verl hands it
 (``partial(ppo_loss, config=actor_config)``): ``actor_config.policy_loss`` as ``LoptiPolicyLossConfig``.
 
 One RL step (``train_mini_batch``, called once per step by ``update_actor``):

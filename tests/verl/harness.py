@@ -108,8 +108,7 @@ def actor_overrides(model_dir: str, *, mini_batch: int, micro_batch: int, lr: fl
 
 def actor_worker(cfg):
     """verl's ``ActorRolloutRefWorker`` (role ``actor``) with its model, engine and loss built (``init_model``)."""
-    import openrlhf_lopti.verl  # noqa: F401  (what VERL_USE_EXTERNAL_MODULES does in every verl process)
-    from verl.workers.engine_workers import ActorRolloutRefWorker
+    from verl.workers.engine_workers import ActorRolloutRefWorker  # its actor_worker_cls: as our plugin set it
 
     worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
     worker.init_model()

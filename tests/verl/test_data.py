@@ -63,10 +63,11 @@ def test_the_converter_refuses_to_overwrite_and_plain_prompts(kk_dir, tmp_path):
     assert run.returncode == 2 and "without --plain-prompt" in run.stderr and run.stderr.count("\n") == 1
 
 
-def test_the_reward_file_as_verl_loads_it(kk_dir):
+@pytest.mark.parametrize("path", [str(REWARD_FILE), "pkg://openrlhf_lopti.verl.reward"], ids=["file", "pkg"])
+def test_the_reward_file_as_verl_loads_it(kk_dir, path):
     from verl.utils.import_utils import load_extern_object
 
-    compute_score = load_extern_object(module_path=str(REWARD_FILE), object_name="compute_score")
+    compute_score = load_extern_object(module_path=path, object_name="compute_score")
     label = load_rows(kk_dir / "test.jsonl")[0][0]["label"]
     right = f"<think> reasoning </think>\n<answer>\n{label}\n</answer>"
     assert compute_score(data_source="kk_3ppl", solution_str=right, ground_truth=label, extra_info={}) == {

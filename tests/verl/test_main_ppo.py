@@ -1,10 +1,14 @@
 """verl's own trainer end to end on the CPU: ``CPU=1 bash examples/verl/train_kk_grpo_ar_lopti.sh``, i.e. the real
 ``python -m verl.trainer.main_ppo`` (Ray, FSDP2 actor and reference on gloo, vLLM's CPU build as the rollout
-server, weight sync), 2 RL steps of 2 K&K prompts x 4 responses of at most 32 tokens on a tiny model.
+server, weight sync), 2 RL steps of K&K prompts (responses of at most 32 tokens) on a tiny model.
 
-Three runs, each once per module and read by several tests: GRPO and AR+Lopti under verl's default trainer
-(``trainer.use_v1=true``: nested per-response fields in TransferQueue), AR+Lopti under the legacy one
-(``use_v1=false``: padded batches). Everything is read off the run's console log (verl's ``console`` logger: one
+Four runs, each once per module and read by several tests, none with ``VERL_USE_EXTERNAL_MODULES`` (our package is
+a verl plugin: verl loads it in every process): AR+Lopti under verl's default trainer (``trainer.use_v1=true``: nested
+per-response fields in TransferQueue) and under the legacy one (``use_v1=false``: padded batches), that one run by
+hand (``VERL_PLATFORM=cpu python -m verl.trainer.main_ppo <the script's DRY_RUN overrides>``); GRPO with verl's own
+config under the legacy trainer, and the same GRPO run with verl's plugins off (``VERL_USE_EXTERNAL_PLUGINS=none``;
+only the CPU seam loaded, ``VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl.cpu``), which must train bit for bit as
+the run with our plugin loaded. Everything is read off the run's console log (verl's ``console`` logger: one
 ``step:N - key:value - ...`` line per step) and the HF model verl saves after step 2.
 
 Time: each run is mostly start-up (Ray, vLLM's engine, two FSDP2 engines): 1.7-3.7 minutes measured on the 2-core
@@ -12,10 +16,13 @@ machine beside other work. A planted bad key must fail in seconds, before Ray st
 worker must end the run with its line, not hang.
 """
 
+import math
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +37,18 @@ ACTOR = "actor_rollout_ref.actor"
 # phase would be empty (a user's eta reaching the round unchanged: test_config.py, test_worker.py)
 QUANTILE_INSTEAD_OF_ETA = (f"++{ACTOR}.policy_loss.lopti_eta=null", f"++{ACTOR}.policy_loss.lopti_quantile=0.5")
 REWARD = Path(__file__).resolve().parent / "varied_reward.py"  # non-zero advantages on a tiny random model
+# verl's variables that load plugins: unset unless a run sets them (our plugin must load without them)
+PLUGIN_VARIABLES = ("VERL_USE_EXTERNAL_MODULES", "VERL_USE_EXTERNAL_PLUGINS", "VERL_PLATFORM")
+# Two GRPO runs that verl itself repeats bit for bit. The same responses only with verl's seeded rollout (vLLM's
+# per-request seed, rollout/vllm_async_server.py:625-627), which is the same for every request: the responses to one
+# prompt are all the same, so one per prompt (4 prompts a step; GRPO's advantage of a one-response group is its
+# reward, core_algos.py:315-317: it trains). The same batches only under the legacy trainer: the default one's replay
+# buffer hands trajectories over as they finish (measured: two such runs, both with our plugin, apart from step 1 in
+# the 7th digit of actor/grad_norm, and by up to 4e-9 in the saved parameters).
+REPRODUCIBLE_GRPO = ("actor_rollout_ref.rollout.full_determinism=true", "actor_rollout_ref.rollout.n=1",
+                     "data.train_batch_size=4", f"{ACTOR}.ppo_mini_batch_size=4", "trainer.use_v1=false")
+# gauges of time and memory, not training: they differ between any two runs
+NOT_TRAINING = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
 RUN_TIMEOUT = 1500  # s; a run takes 3-4 minutes idle, ~6 under load: 4x slack before calling it a hang
 
 
@@ -46,11 +65,31 @@ def inputs(tmp_path_factory):
     return root
 
 
-def launch(inputs, method: str, *overrides: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CPU="1", PYTHON=sys.executable, MODEL=str(inputs / "tiny"), DATA=str(inputs / "kk"),
-               METHOD=method)  # fmt: skip
-    return subprocess.run(["bash", str(SCRIPT), *overrides], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=str(inputs))  # fmt: skip
+def environment(inputs, method: str, **extra: str) -> dict:
+    """The script's environment: no verl plugin variable but those in ``extra`` (the plugin loads by itself)."""
+    env = {k: v for k, v in os.environ.items() if k not in PLUGIN_VARIABLES}
+    return dict(env, CPU="1", PYTHON=sys.executable, MODEL=str(inputs / "tiny"), DATA=str(inputs / "kk"),
+                METHOD=method, **extra)  # fmt: skip
+
+
+def launch(inputs, method: str, *overrides: str, timeout: float = RUN_TIMEOUT, by_hand: bool = False,
+           **env: str) -> subprocess.CompletedProcess:
+    """``CPU=1 bash <the script> <overrides>``, or with ``by_hand`` what a user types instead: ``VERL_PLATFORM=cpu
+    python -m verl.trainer.main_ppo`` with the script's ``DRY_RUN=1`` overrides (and a private Ray temp dir)."""
+    env = environment(inputs, method, **env)
+    command = ["bash", str(SCRIPT), *overrides]
+    if by_hand:
+        printed = subprocess.run(command, env=dict(env, DRY_RUN="1"), capture_output=True, text=True, check=True)
+        ray_tmp = tempfile.mkdtemp(prefix="verl-ray-", dir="/tmp")  # short: Ray's socket paths < 108 characters
+        command = [sys.executable, "-m", "verl.trainer.main_ppo", *printed.stdout.splitlines(),
+                   f"++ray_kwargs.ray_init._temp_dir={ray_tmp}"]  # fmt: skip
+        env = {k: v for k, v in env.items() if k not in ("CPU", "PYTHON", "MODEL", "DATA", "METHOD")}
+        env["VERL_PLATFORM"] = "cpu"
+    try:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(inputs))
+    finally:
+        if by_hand:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def step_metrics(log: str) -> dict:
@@ -69,20 +108,27 @@ def step_metrics(log: str) -> dict:
     return steps
 
 
-def run(inputs, tmp_path_factory, method: str, *overrides: str) -> dict:
+def run(inputs, tmp_path_factory, method: str, *overrides: str, by_hand: bool = False, **env: str) -> dict:
     """One run: its exit code, log, per-step metrics and checkpoint folder (the HF model after step 2)."""
     out = tmp_path_factory.mktemp(f"run-{method.replace('+', '-')}")
     proc = launch(inputs, method, f"trainer.default_local_dir={out}", "trainer.save_freq=2",
                   f"{ACTOR}.checkpoint.save_contents=[hf_model]", f"reward.custom_reward_function.path={REWARD}",
-                  *overrides)  # fmt: skip
+                  *overrides, by_hand=by_hand, **env)  # fmt: skip
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"main_ppo exited {proc.returncode}: {first_errors(log)}\n{log[-3000:]}"
     return {"log": log, "steps": step_metrics(log), "out": out}
 
 
 @pytest.fixture(scope="module")
-def grpo_v1(inputs, tmp_path_factory):
-    return run(inputs, tmp_path_factory, "grpo")
+def grpo_v0(inputs, tmp_path_factory):
+    return run(inputs, tmp_path_factory, "grpo", *REPRODUCIBLE_GRPO)
+
+
+@pytest.fixture(scope="module")
+def grpo_v0_without_plugins(inputs, tmp_path_factory):
+    """The GRPO run with verl's plugins off: verl without our package, but for the CPU seam it needs here."""
+    return run(inputs, tmp_path_factory, "grpo", *REPRODUCIBLE_GRPO, VERL_USE_EXTERNAL_PLUGINS="none",
+               VERL_USE_EXTERNAL_MODULES="openrlhf_lopti.verl.cpu")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -92,19 +138,27 @@ def ar_lopti_v1(inputs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ar_lopti_v0(inputs, tmp_path_factory):
-    return run(inputs, tmp_path_factory, "ar+lopti", *QUANTILE_INSTEAD_OF_ETA, "trainer.use_v1=false")
+    return run(inputs, tmp_path_factory, "ar+lopti", *QUANTILE_INSTEAD_OF_ETA, "trainer.use_v1=false", by_hand=True)
+
+
+def saved_model(result) -> dict:
+    """The HF model verl saved after step 2: ``{name: tensor}``."""
+    from safetensors.torch import load_file
+
+    saved = list(Path(result["out"]).glob("global_step_2/actor/huggingface/*.safetensors"))
+    assert saved, f"no HF model saved under {result['out']}"
+    after = {}
+    for path in saved:
+        after.update(load_file(str(path)))
+    return after
 
 
 def saved_minus_initial(result, inputs) -> float:
     """The largest change of any parameter between the tiny model and the HF model verl saved after step 2."""
     from safetensors.torch import load_file
 
-    saved = list(Path(result["out"]).glob("global_step_2/actor/huggingface/*.safetensors"))
-    assert saved, f"no HF model saved under {result['out']}"
     before = load_file(str(inputs / "tiny" / "model.safetensors"))
-    after = {}
-    for path in saved:
-        after.update(load_file(str(path)))
+    after = saved_model(result)
     common = set(before) & set(after)
     assert common, f"no parameter in common: {sorted(before)[:3]} vs {sorted(after)[:3]}"
     return max(float((after[k].float() - before[k].float()).abs().max()) for k in common)
@@ -133,9 +187,26 @@ def check_ar_lopti(result) -> None:
             assert metrics[f"actor/lopti/{phase}/tokens"] > 0 and f"actor/lopti/{phase}/grad_norm" in metrics
 
 
-def test_grpo_under_the_default_trainer(grpo_v1, inputs):
-    check_trained(grpo_v1, inputs)
-    assert not any(key.startswith("actor/lopti/") for key in grpo_v1["steps"][1])
+def test_grpo_with_verls_own_config(grpo_v0, inputs):
+    check_trained(grpo_v0, inputs)
+    assert not any(key.startswith(("actor/lopti/", "actor/ar/")) for key in grpo_v0["steps"][1])
+
+
+def test_our_plugin_leaves_a_run_without_our_keys_as_verl_trains_it(grpo_v0, grpo_v0_without_plugins):
+    """Loaded into every process of a GRPO run that never heard of AR, our plugin changes nothing: the same metrics
+    at every step and the same saved parameters, bit for bit, as with verl's plugins off."""
+    on, off = grpo_v0["steps"], grpo_v0_without_plugins["steps"]
+    assert sorted(on) == sorted(off) == [1, 2], (sorted(on), sorted(off))
+    for step in on:
+        keys = {k for k in set(on[step]) | set(off[step]) if not k.startswith(NOT_TRAINING)}
+        assert {"actor/pg_loss", "actor/grad_norm", "critic/advantages/mean", "training/rollout_probs_diff_max"} <= keys
+        assert {k for k in keys if k not in on[step] or k not in off[step]} == set(), step
+        differ = {k: (on[step][k], off[step][k]) for k in keys if on[step][k] != off[step][k]
+                  and not (math.isnan(on[step][k]) and math.isnan(off[step][k]))}  # fmt: skip
+        assert not differ, (step, differ)
+    with_plugin, without = saved_model(grpo_v0), saved_model(grpo_v0_without_plugins)
+    assert sorted(with_plugin) == sorted(without)
+    assert all(torch.equal(with_plugin[k], without[k]) for k in with_plugin)
 
 
 def test_ar_and_lopti_under_the_default_trainer(ar_lopti_v1, inputs):

@@ -90,8 +90,6 @@ def run_verl(tiny, method: dict, float64: bool, optimizer: str = "SGD", epochs: 
     with Float64Shadow() if float64 else nullcontext():
         try:
             if worker_cls is not None:
-                import openrlhf_lopti.verl  # noqa: F401
-
                 ActorRolloutRefWorker.actor_worker_cls = worker_cls
             worker = harness.actor_worker(cfg)
         finally:
