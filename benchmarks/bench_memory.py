@@ -8,7 +8,7 @@
 - ``fused_linear``: our ``fused_linear_policy_loss`` (lm_head + loss block by block; no ``[N, V]`` logits);
 - ``liger_flce``: Liger-Kernel's fused linear GRPO loss (``LigerFusedLinearGRPOLoss``, chunked torch, compiled),
   when installed: its KL is a loss term of its own, its loss is ``bnpo`` (a token mean: the same at one sequence);
-- ``cce``: Apple's Cut Cross-Entropy (``linear_cross_entropy``, ``impl="cce_exact"``: nothing filtered) for the
+- ``cce``: Apple's Cut Cross-Entropy (``linear_cross_entropy``, ``impl="cce", filter_eps=None``: nothing filtered) for the
   log-probs, when installed and on CUDA, then our per-token loss on those ``[N]`` log-probs
   (``algo.policy_loss_from_logp``). It computes no entropy: run with ``--entropy-coef 0`` to compare it.
 
@@ -67,7 +67,7 @@ def expected_backends(device: str, backend: str) -> dict:
     else:
         logits, fused = backend, ("torch" if backend == "cpp" else backend)
     return {"openrlhf": "openrlhf", "logits_kernel": logits, "fused_linear": fused, "liger_flce": "liger",
-            "cce": "cce_exact"}
+            "cce": "cce"}
 DEFAULTS = {
     "cpu": dict(n=2048, h=896, v=151936, dtype="float32"),  # Qwen2.5-0.5B's hidden size
     "cuda": dict(n=16384, h=2048, v=151936, dtype="bfloat16"),  # Qwen2.5-3B's
@@ -223,8 +223,9 @@ def _cce_steps(data: dict, options: dict) -> Steps:
     from openrlhf_lopti.algo import policy_loss_from_logp
 
     def logp_of(hidden):
+        # filter_eps=None: no gradient entry filtered (exact); cut-cross-entropy 25.1.1 has no "cce_exact" implementation
         return -linear_cross_entropy(hidden / TEMPERATURE, data["weight"], data["labels"], reduction="none",
-                                     impl="cce_exact")  # fmt: skip
+                                     impl="cce", filter_eps=None)  # fmt: skip
 
     def forward_only():
         with torch.no_grad():
@@ -237,7 +238,7 @@ def _cce_steps(data: dict, options: dict) -> Steps:
                                     ref_log_probs=data["ref"], eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=KL_COEF)
         return out.loss.sum() / data["mask"].sum()
 
-    return Steps(forward_only, train, {"cce_exact"})
+    return Steps(forward_only, train, {"cce"})
 
 
 STEPS = {"openrlhf": _openrlhf_steps, "logits_kernel": _logits_kernel_steps, "fused_linear": _fused_linear_steps,

@@ -159,3 +159,45 @@ def test_deepspeed_stand_in_only_when_deepspeed_is_missing(monkeypatch):
     with pytest.raises(AttributeError):
         deepspeed.__version__
     assert gpu_steps.deepspeed_stand_in() is False  # importable now: nothing registered again
+
+
+def test_the_loss_head_step_runs_our_three_triton_rows(monkeypatch):
+    """Issue 44's table needs checks at once, at the step and the one-pass head side by side; the first GPU run asked
+    the benchmark for `triton` alone (its backends list), so two of the three rows never ran. The step's flags, read
+    where it hands them to the benchmark (the CUDA check and the benchmark itself replaced: no GPU here)."""
+    from benchmarks import gpu_steps
+    import benchmarks.bench_policy_loss as bench_policy_loss
+    from openrlhf_lopti.cli.bench_loss_head import ALL_BACKENDS, OURS
+
+    handed = []
+    monkeypatch.setattr(bench_policy_loss, "main", lambda argv: handed.append(argv) or 0)
+    monkeypatch.setattr(gpu_steps, "openrlhf_loss_status", lambda: "not installed (test)")
+    monkeypatch.setattr(gpu_steps, "liger_status", lambda: "ok")
+    args = gpu_steps.build_parser().parse_args(["loss-head", "--json", "/tmp/x.json"])
+    assert gpu_steps.loss_head(args) == 0
+    (argv,) = handed
+    backends = argv[argv.index("--backends") + 1].split(",")
+    assert {"triton", "triton-step", "triton-onepass", "liger", "torch"} <= set(backends)
+    assert set(backends) <= set(ALL_BACKENDS) and "cpp" not in backends and set(OURS) - {"cpp"} <= set(backends)
+
+
+def test_the_cce_row_names_an_implementation_the_pinned_version_has():
+    """cut-cross-entropy 25.1.1 (gpu_session.sh's pin) implements `cce` and `torch_compile`; the first GPU run asked
+    for `cce_exact` and both lm_head steps died there. Read from the wheel's enum where it is installed, else from
+    the pin's source as cited: https://github.com/apple/ml-cross-entropy (linear_cross_entropy.py,
+    LinearCrossEntropyImpl)."""
+    import inspect
+
+    import benchmarks.bench_memory as bench_memory
+
+    assert "cut-cross-entropy==25.1.1" in SCRIPT.read_text()
+    source = inspect.getsource(bench_memory._cce_steps)
+    (impl,) = re.findall(r'impl="([a-z_]+)"', source)
+    try:
+        from cut_cross_entropy.linear_cross_entropy import LinearCrossEntropyImpl
+
+        known = {member.name.lower() for member in LinearCrossEntropyImpl}
+    except ImportError:
+        known = {"cce", "torch_compile"}
+    assert impl in known, (impl, known)
+    assert "filter_eps=None" in source  # exact: no gradient entry filtered
