@@ -8,8 +8,8 @@
 - ``fused_linear``: our ``fused_linear_policy_loss`` (lm_head + loss block by block; no ``[N, V]`` logits);
 - ``liger_flce``: Liger-Kernel's fused linear GRPO loss (``LigerFusedLinearGRPOLoss``, chunked torch, compiled),
   when installed: its KL is a loss term of its own, its loss is ``bnpo`` (a token mean: the same at one sequence);
-- ``cce``: Apple's Cut Cross-Entropy (``linear_cross_entropy``, ``impl="cce", filter_eps=None``: nothing filtered) for the
-  log-probs, when installed and on CUDA, then our per-token loss on those ``[N]`` log-probs
+- ``cce``: Apple's Cut Cross-Entropy (``linear_cross_entropy``, ``impl="cce", filter_eps=None``: nothing filtered)
+  for the log-probs, when installed and on CUDA, then our per-token loss on those ``[N]`` log-probs
   (``algo.policy_loss_from_logp``). It computes no entropy: run with ``--entropy-coef 0`` to compare it.
 
 Every row records the backend its op reports it ran (ours: ``LossHeadOutput.backend``); a row whose backend is not
@@ -223,7 +223,7 @@ def _cce_steps(data: dict, options: dict) -> Steps:
     from openrlhf_lopti.algo import policy_loss_from_logp
 
     def logp_of(hidden):
-        # filter_eps=None: no gradient entry filtered (exact); cut-cross-entropy 25.1.1 has no "cce_exact" implementation
+        # filter_eps=None: no gradient entry filtered (exact); cut-cross-entropy 25.1.1 has no "cce_exact" impl
         return -linear_cross_entropy(hidden / TEMPERATURE, data["weight"], data["labels"], reduction="none",
                                      impl="cce", filter_eps=None)  # fmt: skip
 

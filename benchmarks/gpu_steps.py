@@ -116,7 +116,8 @@ def probe(args) -> int:
 def loss_head(args) -> int:
     from benchmarks.bench_policy_loss import main as bench
 
-    backends = ["torch", "triton", "triton-step", "triton-onepass"]  # ours three ways: checks at once / at the step / one pass
+    # ours three ways: checks read at once, at the step, and the one-pass head
+    backends = ["torch", "triton", "triton-step", "triton-onepass"]
     status = {"openrlhf": openrlhf_loss_status(), "liger": liger_status()}
     for name in ("openrlhf", "liger"):
         if status[name].startswith("ok"):
