@@ -90,3 +90,17 @@ def test_a_row_whose_op_ran_another_backend_is_refused_and_the_run_fails(tmp_pat
     assert rows["torch"]["status"] == "ok" and rows["torch"]["backend_ran"] == ["torch"]
     assert rows["cpp"]["status"] == "refused: the op ran ['torch'], this row is labelled cpp"
     assert "refused rows (the op ran another backend than their label): cpp" in capsys.readouterr().err
+
+
+def test_every_row_that_ran_says_what_ran_peers_too(tmp_path):
+    """A peer's row (OpenRLHF's loss here; Liger's on a GPU) records its backend as ours do, so a JSON reader can
+    check every figure the same way (before: only our rows had ``backend_ran``)."""
+    from openrlhf_lopti.cli import bench_loss_head
+
+    path = tmp_path / "bench.json"
+    argv = ["--device", "cpu", "--n", "16", "--v", "96", "--seq-len", "8", "--repeats", "1", "--warmup", "0",
+            "--backends", "openrlhf,torch", "--ar-alpha", "0", "--json", str(path)]  # fmt: skip
+    assert bench_loss_head.main(argv) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok", "ok"], rows
+    assert all(r["backend_ran"] == [r["backend"]] for r in rows), rows

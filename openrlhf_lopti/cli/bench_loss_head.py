@@ -369,6 +369,8 @@ def run_backend(name: str, cfg: Config, data: dict, args, alpha: float) -> dict:
         row["backend_ran"] = sorted(set(ran))
         if row["backend_ran"] != [label]:  # a figure must say what ran: a fallback is not this row's figure
             return dict(row, status=f"refused: the op ran {row['backend_ran']}, this row is labelled {label}")
+    else:  # a peer's row calls that library's own op, with no fallback of ours on its way
+        row["backend_ran"] = [name]
     return row
 
 
