@@ -15,7 +15,7 @@ import pytest
 
 from openrlhf_lopti.__main__ import COMMANDS
 from openrlhf_lopti.errors import UserError
-from tests.doc_blocks import fenced_lines
+from .doc_blocks import fenced_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
