@@ -407,6 +407,26 @@ def test_one_step_matches_the_loss_written_out(peaked, estimator, grad_clip, fus
     assert max(float((a - p.detach()).abs().max()) for a, p in zip(ours["after"], model.parameters())) > 1e-4
 
 
+def test_the_triton_one_pass_head_takes_the_reference_step(peaked):
+    """``update_policy`` on the Triton backend (interpreted), whose one-pass head writes the gradient into the
+    trained rows' logits (a copy), takes the torch reference's SGD step, Lopti's two phases included."""
+    model, tok = peaked
+    exp = written_experience(model, tok)
+    steps = {}
+    for backend in ("torch", "triton"):
+        policy = copy.deepcopy(model)
+        cfg = cfg_for(loss_backend=backend, kl_coef=1.0, kl_estimator="k2", alpha=0.3, lopti=True, eta=0.5,
+                      mini_batch_size=8, micro_batch_size=3)  # fmt: skip
+        m = update_policy(policy, torch.optim.SGD(policy.parameters(), lr=0.1), exp, cfg,
+                          torch.Generator().manual_seed(0))  # fmt: skip
+        assert m["loss_backend"] == backend and m["optimizer_steps"] == 2
+        steps[backend] = [p.detach() - p0.detach() for p, p0 in zip(policy.parameters(), model.parameters())]
+    largest = max(float(step.abs().max()) for step in steps["torch"])
+    assert largest > 1e-4
+    for ours, reference in zip(steps["triton"], steps["torch"]):
+        assert torch.allclose(ours, reference, rtol=1e-4, atol=1e-5 * largest)
+
+
 def split_experience(model, tok):
     """``written_experience`` with rows 0-3 all below p = 0.5 (phase 1 with eta 0.5) and rows 4-7 all at p = 0.9."""
     exp = written_experience(model, tok)

@@ -9,11 +9,11 @@ from unittest import mock
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from openrlhf_lopti.algo import policy_loss_from_logits
 from openrlhf_lopti.ops import fused_policy_loss
 
+from .allocations import NewTensors
 from .kernel_cases import Case, assert_near_truth, make_inputs, options, reference_truth
 
 from openrlhf_lopti.ops.triton import policy_loss as kernels  # conftest has set TRITON_INTERPRET by now
@@ -147,7 +147,7 @@ def test_the_gradient_written_into_the_logits_own_buffer():
     for in_place in (False, True):
         h, W = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         logits = h @ W.t()
-        with _Allocations() as seen:
+        with NewTensors() as seen:
             out = fused_policy_loss(logits, inputs["labels"], inputs["old_log_probs"], inputs["advantages"],
                                     inputs["mask"], ref_log_probs=inputs["ref_log_probs"], loss_weights=w,
                                     entropy_weights=we, grad_in_logits=in_place, backend="triton",
@@ -161,21 +161,18 @@ def test_the_gradient_written_into_the_logits_own_buffer():
     assert torch.equal(grads[True][0], grads[False][0]) and torch.equal(grads[True][1], grads[False][1])
 
 
-class _Allocations(TorchDispatchMode):
-    """Records the shape of every tensor an op produces in new memory (views and in-place results are not)."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if any(r.alias_info is not None for r in func._schema.returns):  # a view, or written in place
-            return out
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.shapes.append(tuple(t.shape))
-        return out
+def test_logits_an_earlier_op_saved_are_never_backpropagated_overwritten():
+    """grad_in_logits=True overwrites the logits: an op before the head whose backward reads its own output (here
+    ``exp``; e.g. a model's final activation) must raise, not differentiate through the gradient's values."""
+    case = Case(n=8, v=64, seed=8)
+    inputs = make_inputs(case, DEVICE)
+    w, _ = _weights(case, inputs, False)
+    x = (inputs["logits"].float() / 8).clone().requires_grad_(True)
+    logits = torch.exp(x)  # exp's backward reads this very tensor
+    out = fused_policy_loss(logits, inputs["labels"], inputs["old_log_probs"], inputs["advantages"], inputs["mask"],
+                            loss_weights=w, grad_in_logits=True, backend="triton")  # fmt: skip
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.reduced.backward()
 
 
 @pytest.mark.parametrize("grad_in_logits", [False, True])
@@ -185,7 +182,7 @@ def test_under_no_grad_nothing_n_by_v_is_written(grad_in_logits):
     logits = inputs["logits"].clone().requires_grad_(True)
     before = logits.detach().clone()
     w, we = _weights(case, inputs, True)
-    with torch.no_grad(), _Allocations() as seen:
+    with torch.no_grad(), NewTensors() as seen:
         out = fused_policy_loss(logits, inputs["labels"], inputs["old_log_probs"], inputs["advantages"],
                                 inputs["mask"], loss_weights=w, entropy_weights=we, grad_in_logits=grad_in_logits,
                                 backend="triton", **options(case))  # fmt: skip

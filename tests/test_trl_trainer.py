@@ -11,6 +11,7 @@
 at most a few times further from it than the hand-written round's own fp32 run is (tests/numerics.py).
 """
 
+import math
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenize
 from openrlhf_lopti.local.task import compact_prompt, puzzles  # noqa: E402
 from openrlhf_lopti.trl import LoptiGRPOConfig, LoptiGRPOTrainer, kk_reward  # noqa: E402
 
+from .allocations import NewTensors  # noqa: E402
 from .numerics import ACCURACY_RATIO, U32, ULPS_FLOOR  # noqa: E402
 
 LR = 0.1
@@ -179,13 +181,15 @@ def initial_params(tok, initial, build=tiny_model):
 
 
 @pytest.mark.parametrize(
-    "loss_type, fused_lm_head, iterations",
-    [("dapo", False, 1), ("grpo", True, 1), ("bnpo", False, 1), ("dr_grpo", False, 1), ("dapo", False, 2)],
-)
-def test_lopti_ar_round_matches_hand_written(tmp_path, tok, loss_type, fused_lm_head, iterations):
+    "loss_type, fused_lm_head, iterations, backend",
+    [("dapo", False, 1, "torch"), ("grpo", True, 1, "torch"), ("bnpo", False, 1, "torch"),
+     ("dr_grpo", False, 1, "torch"), ("dapo", False, 2, "torch"),
+     ("grpo", False, 1, "triton")],  # the one-pass head writing the gradient into the model's logits (interpreted)
+)  # fmt: skip
+def test_lopti_ar_round_matches_hand_written(tmp_path, tok, loss_type, fused_lm_head, iterations, backend):
     cfg = LoptiGRPOConfig(
         **settings(tmp_path, loss_type=loss_type, max_steps=2 * iterations, ar_alpha=0.3, lopti_eta=0.5,
-                   fused_lm_head=fused_lm_head, num_iterations=iterations)  # fmt: skip
+                   fused_lm_head=fused_lm_head, num_iterations=iterations, loss_backend=backend)  # fmt: skip
     )
     initial, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok)
     # one generation, two phases, each num_iterations x steps_per_generation micro-batches: optimizer steps of 2
@@ -235,6 +239,7 @@ def test_lopti_ar_round_matches_hand_written(tmp_path, tok, loss_type, fused_lm_
         # KL inside the kernel (the paper's and OpenRLHF's k3 loss)
         dict(beta=0.1, use_bias_correction_kl=False, loss_type="bnpo", gradient_accumulation_steps=1, max_steps=2),
         dict(entropy_coef=0.05, loss_type="dr_grpo"),  # TRL's entropy bonus, from the kernel's entropy
+        dict(entropy_coef=0.05, loss_type="grpo", loss_backend="triton"),  # the bonus in the one-pass head's sum
     ],
 )
 def test_off_equals_trl_grpo_trainer(tmp_path, tok, options):
@@ -412,6 +417,24 @@ def test_same_update_as_local_trainer(tmp_path, tok):
             assert err <= allowed, f"{name} param {i}: update off by {err:.3g} (hand fp32 {err_ref:.3g})"
 
 
+def test_the_logits_path_makes_no_vocab_wide_buffer_but_the_models_logits(tmp_path, tok):
+    """The logits path reads the model's own ``[B, T + 1, V]`` logits as they are (no copy of the trained rows) and,
+    with the one-pass Triton head, writes their gradient into them: in a micro-step's loss and backward the only new
+    tensor as wide as the vocabulary is the model's logits. (Before: also the trained rows' copy, their gradient, and
+    the ``[B, T, V]`` / ``[B, T + 1, V]`` zeros of the index and slice backwards.)"""
+    cfg = LoptiGRPOConfig(**settings(tmp_path, ar_alpha=0.3, lopti_eta=0.5, max_steps=2, loss_backend="triton"))
+    _, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok)
+    inputs = recorded[0]  # a low-phase micro-step: some of its response tokens are not trained
+    b, t = inputs["completion_ids"].shape
+    v = trainer.model.config.vocab_size
+    assert 0 < int((inputs["lopti_phase_mask"] & inputs["completion_mask"].bool()).sum()) < b * t
+    with NewTensors() as seen:
+        loss = trainer._compute_loss(trainer.model, dict(inputs))
+        loss.backward()
+    wide = [(op, shape) for op, shape in zip(seen.ops, seen.shapes) if len(shape) > 1 and shape[-1] == v]
+    assert [math.prod(shape) for _, shape in wide] == [b * (t + 1) * v], wide
+
+
 def test_a_bad_value_raises_before_the_optimizer_step_naming_where(tmp_path, tok, capsys):
     """The fused loss's value checks are read before each optimizer step (a pre-hook on the optimizer), not in the
     call: a non-finite advantage planted in the first micro-step raises at the first step, naming the optimizer
@@ -432,5 +455,5 @@ def test_a_bad_value_raises_before_the_optimizer_step_naming_where(tmp_path, tok
         trainer.train()
     assert all(torch.equal(v, initial[k]) for k, v in trainer.model.state_dict().items())
     printed = [line for line in capsys.readouterr().out.splitlines() if "fused loss ran on the" in line]
-    assert printed == ["[openrlhf-lopti] TRL fused loss ran on the torch backend; value checks are read before each "
-                       "optimizer step"]  # fmt: skip
+    assert printed == ["[openrlhf-lopti] TRL fused loss ran on the torch backend (one pass); value checks are read "
+                       "before each optimizer step"]  # fmt: skip

@@ -101,7 +101,8 @@ def update_policy(
         backend that ran (a string: the caller prints it).
 
     The loss head is the one-pass form (``loss_weights``: each token's share of the mini-batch's token mean, known
-    up front), and its value checks are read once per optimizer step, before it (``check="step"``): a NaN logit or
+    up front; on the logits path the Triton kernel writes the gradient into the trained rows' logits, a copy),
+    and its value checks are read once per optimizer step, before it (``check="step"``): a NaN logit or
     a non-finite advantage raises there, naming the phase, the mini-batch and the row, before any weight moves.
     """
     rollout = exp.rollout
@@ -163,8 +164,8 @@ def update_policy(
                             hidden = response_hidden(policy, part)[rows]
                             out = fused_linear_policy_loss(hidden, weight, *per_token, bias=bias, **options)
                         else:
-                            logits = response_logits(policy, part)[rows]  # [N, V]
-                            out = fused_policy_loss(logits, *per_token, **options)
+                            logits = response_logits(policy, part)[rows]  # [N, V], a copy: it may take its gradient
+                            out = fused_policy_loss(logits, *per_token, grad_in_logits=True, **options)
                         checks.add(out.status, f"phase '{name}', mini-batch {m}")
                         backend = backend or out.backend
                         out.reduced.backward()

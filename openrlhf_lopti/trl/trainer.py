@@ -50,8 +50,10 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   from one forward-only pass over the round's generation batch, summed over processes.
 - The loss path, decided once when the trainer is built and printed in one line (``[openrlhf-lopti] TRL loss
   path: ...``). Fused (``fused_loss=True``, the default, where the kernel computes exactly the loss TRL's options
-  ask for: ``config.trl_loss_reason``): ``_compute_loss`` takes the model's logits of the completion (in the
-  model's dtype, no fp32 ``[N, V]`` copy) and runs ``fused_policy_loss`` on the trained tokens only;
+  ask for: ``config.trl_loss_reason``): ``_compute_loss`` takes the model's logits of the completion as they
+  are (in the model's dtype, no copy) and runs ``fused_policy_loss`` on the trained tokens only, in one pass
+  where every token's weight is known up front (``_loss_type_weights``; the Triton kernel then writes the
+  gradient into the logits' own buffer), not with ``top_entropy_quantile`` or a KL kept apart from the surrogate;
   ``fused_lm_head`` runs ``fused_linear_policy_loss`` on the backbone's last hidden states and the output layer
   instead, so no logits exist. KL is TRL's k3 (clamped to [-10, 10] like OpenRLHF's, as our kernels do); the log
   ratio is clamped to +-20 before ``exp``; a MoE model's router aux loss is added as TRL adds it. TRL's metrics
@@ -70,6 +72,7 @@ one line naming it (``reward_check``). On TRL's loss path with AR and Lopti off,
 but for that check.
 """
 
+import dataclasses
 import os
 from typing import Any, Optional
 
@@ -99,7 +102,13 @@ from openrlhf_lopti.algo import (
     sum_direction_counts,
 )
 from openrlhf_lopti.models import lm_head_parts
-from openrlhf_lopti.ops import LossOptions, StepChecks, fused_linear_policy_loss, fused_policy_loss
+from openrlhf_lopti.ops import (
+    LossHeadOutput,
+    LossOptions,
+    StepChecks,
+    fused_linear_policy_loss,
+    fused_policy_loss,
+)
 
 from .config import LoptiGRPOConfig, optimizer_steps_per_round, refusals, trl_loss_reason
 from .cpu_colocate import colocated_engine, repack_after_every_sync, vllm_on_cpu
@@ -402,6 +411,29 @@ class LoptiGRPOTrainer(GRPOTrainer):
         mask = inputs["completion_mask"]
         return mask if inputs.get("tool_mask") is None else mask * inputs["tool_mask"]
 
+    def _loss_type_weights(self, mask: torch.Tensor, mode: str, inputs: dict) -> torch.Tensor:
+        """``[B, T]`` fp32: each token's weight in TRL's ``loss_type`` reduction of this micro-step (its division by
+        the gradient-accumulation steps included), so that TRL's loss is ``sum(weights * per_token_loss)``.
+
+        Args:
+            mask: ``[B, T]`` 0/1, TRL's loss mask (every response token, whatever the Lopti phase).
+        """
+        b = mask.shape[0]
+        mask = mask.float()
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        if self.loss_type == "grpo":  # per sequence: its token mean; then the mean over sequences
+            return mask / mask.sum(-1, keepdim=True).clamp(min=1.0) / b / normalizer
+        if self.loss_type == "bnpo":
+            return mask / mask.sum().clamp(min=1.0) / normalizer
+        if self.loss_type == "dr_grpo":
+            return mask / (b * self.max_completion_length) / normalizer
+        if self.loss_type == "dapo":
+            items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                items = items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            return mask / items
+        return mask / b / normalizer  # luspo (config.CLIPPED_LOSS_TYPES): per-sequence sums, averaged
+
     def _trl_compute_loss(self, model, inputs: dict) -> torch.Tensor:
         """TRL's own ``_compute_loss`` (every ``loss_type``, importance-sampling level, ``delta``, off-policy mask,
         adaptive entropy, router aux loss, as TRL computes them), with AR's weight on each token's advantage
@@ -434,9 +466,11 @@ class LoptiGRPOTrainer(GRPOTrainer):
         return logps, entropies, aux_loss
 
     def _completion_outputs(self, model, inputs: dict, rows: torch.Tensor) -> tuple:
-        """``(kind, tensor, aux_loss)``: the completion's ``[N, V]`` logits on ``rows`` (``[B, T]`` bool), or with
-        ``fused_lm_head`` its ``[N, H]`` last hidden states; in the model's dtype, under TRL's autocast. ``aux_loss``:
-        a MoE model's router load-balancing loss of the forward (scalar), as TRL computes it, or None."""
+        """``(kind, tensor, aux_loss)``: the model's logits of the completion, ``[B * (T + 1), V]`` (a view of its
+        own ``[B, T + 1, V]`` output: a row per completion position and one after the last, no copy), or with
+        ``fused_lm_head`` the ``[N, H]`` last hidden states on ``rows`` (``[B, T]`` bool); in the model's dtype,
+        under TRL's autocast. ``aux_loss``: a MoE model's router load-balancing loss of the forward (scalar), as
+        TRL computes it, or None."""
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         t = inputs["completion_ids"].size(1)
@@ -448,7 +482,8 @@ class LoptiGRPOTrainer(GRPOTrainer):
                 aux_loss = self._router_aux_loss(out.router_logits, attention) if router else None
                 return "hidden", out.last_hidden_state[:, -t - 1 : -1][rows], aux_loss
             out = model(input_ids=ids, attention_mask=attention, logits_to_keep=t + 1, use_cache=False, **router)
-            return "logits", out.logits[:, :-1][rows], out.aux_loss if router else None
+            # no [:, :-1] slice: a slice would make the rows non-uniform and the kernel's input a copy
+            return "logits", out.logits.reshape(-1, out.logits.shape[-1]), out.aux_loss if router else None
 
     def _router_aux_loss(self, router_logits: tuple, attention: torch.Tensor) -> torch.Tensor:
         """The load-balancing loss of the backbone's router logits, as TRL's fused forward computes it
@@ -479,33 +514,54 @@ class LoptiGRPOTrainer(GRPOTrainer):
         advantages = inputs["advantages"]
         advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).expand(b, t)
         old = inputs["old_per_token_logps"]
-        labels = inputs["completion_ids"][rows]
         is_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
-            is_ratio = inputs["importance_sampling_ratio"].expand(b, t)[rows]
+            is_ratio = inputs["importance_sampling_ratio"].expand(b, t)  # [B, T]
         # the KL term is added after TRL's masks and IS ratio, which apply to the surrogate only: not folded in the kernel
         separate_kl = is_ratio is not None or self.args.use_bias_correction_kl or self.top_entropy_quantile < 1.0
-        ref = inputs["ref_per_token_logps"][rows] if self.beta != 0.0 else None
+        ref = inputs["ref_per_token_logps"] if self.beta != 0.0 else None  # [B, T]
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        weights = self._loss_type_weights(mask, mode, inputs)  # [B, T]: TRL's loss = sum(weights * per-token loss)
+        entropy_bonus = self._entropy_bonus_enabled  # a fixed entropy_coef (adaptive is refused)
+        # One pass (the kernel writes the logits' gradient as it reads them) when every token's weight is known
+        # before the kernel runs: not with the entropy mask (it needs the kernel's entropies), nor with a KL kept
+        # apart from the surrogate (it needs the log-prob's gradient).
+        one_pass = self.top_entropy_quantile == 1.0 and not (self.beta != 0.0 and separate_kl)
+
+        kind, source, aux_loss = self._completion_outputs(model, inputs, rows)
+        layout = _KernelRows(rows, padded=kind == "logits")
         loss_options = LossOptions(
             alpha=self.args.ar_alpha, eps_low=self.epsilon_low, eps_high=self.epsilon_high,
             kl_coef=0.0 if separate_kl else self.beta, kl_estimator="k3", temperature=self.temperature,
             backend=self.args.loss_backend, check="step" if mode == "train" else "eager",
         )  # fmt: skip
-        options = dict(ref_log_probs=None if separate_kl else ref, return_entropy=True, options=loss_options)
-        per_token = (labels, old[rows], advantages[rows], torch.ones_like(labels, dtype=torch.bool))
-        kind, source, aux_loss = self._completion_outputs(model, inputs, rows)
+        options = dict(
+            ref_log_probs=None if separate_kl or ref is None else layout.to_kernel(ref), return_entropy=True,
+            options=loss_options,
+        )  # fmt: skip
+        if one_pass:
+            surrogate_weights = weights if is_ratio is None else weights * is_ratio
+            options["loss_weights"] = layout.to_kernel(surrogate_weights)
+            if entropy_bonus:  # TRL's bonus: the mean entropy over every response token, per micro-step
+                options["entropy_weights"] = layout.to_kernel(rows * (-self.entropy_coef / keep.sum().clamp(min=1)
+                                                                      / normalizer))  # fmt: skip
+            if kind == "logits":  # their buffer takes their gradient (one [N, V] less): the model's output, unshared
+                options["grad_in_logits"] = True
+        per_token = [layout.to_kernel(x) for x in (inputs["completion_ids"], old, advantages)] + [layout.mask]
         if kind == "hidden":
             weight, bias = lm_head_parts(self.accelerator.unwrap_model(model))
             # autocast may hand back the backbone's output in another dtype than the head's weight
-            out = fused_linear_policy_loss(source.to(weight.dtype), weight, *per_token, bias=bias, **options)
+            kernel_out = fused_linear_policy_loss(source.to(weight.dtype), weight, *per_token, bias=bias, **options)
         else:
-            out = fused_policy_loss(source, *per_token, **options)
+            kernel_out = fused_policy_loss(source, *per_token, **options)
         if mode == "train":  # read before the optimizer step (_read_value_checks)
-            self._checks_before_the_step().add(out.status, self._micro_step_name(inputs))
+            self._checks_before_the_step().add(kernel_out.status, self._micro_step_name(inputs))
             if self._print_backend and self.accelerator.is_main_process:  # once per run: which kernel trains it
-                print(f"[openrlhf-lopti] TRL fused loss ran on the {out.backend} backend; value checks are read "
-                      "before each optimizer step", flush=True)  # fmt: skip
+                print(f"[openrlhf-lopti] TRL fused loss ran on the {kernel_out.backend} backend "
+                      f"({'one pass' if one_pass else 'two passes'}); value checks are read before each optimizer "
+                      "step", flush=True)  # fmt: skip
             self._print_backend = False
+        out = layout.on_rows(kernel_out)  # [N] per-token fields on the trained tokens, in rows' order
 
         # TRL's order: the surrogate times the entropy mask, times the IS ratio, then + beta * KL over every token
         loss_rows = out.loss  # [N]: clipped surrogate (AR-weighted), + beta * KL when folded in
@@ -515,39 +571,28 @@ class LoptiGRPOTrainer(GRPOTrainer):
             entropy_mask = self.get_high_entropy_mask(entropy_full, mask, 1 - self.top_entropy_quantile)[rows]
             loss_rows = loss_rows * entropy_mask
         if is_ratio is not None:
-            loss_rows = loss_rows * is_ratio
+            loss_rows = loss_rows * is_ratio[rows]
         kl_rows = None
         if self.beta != 0.0:
             if separate_kl:
-                kl_rows = approx_kl(out.logp, ref, "k3")
+                kl_rows = approx_kl(out.logp, ref[rows], "k3")
                 if self.args.use_bias_correction_kl:
                     kl_rows = kl_rows * torch.exp(out.logp - old[rows].float())
                 loss_rows = loss_rows + self.beta * kl_rows
             else:
                 kl_rows = out.kl
         per_token_loss = loss_rows.new_zeros(b, t).masked_scatter(rows, loss_rows)  # 0 outside the phase
+        surrogate = (per_token_loss * weights).sum()  # TRL's loss_type reduction
+        policy_loss = (surrogate * (normalizer if self.loss_type != "dapo" else 1.0)).detach()
+        loss = kernel_out.reduced if one_pass else surrogate  # the one-pass sum holds the entropy bonus already
 
-        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        if self.loss_type == "grpo":
-            loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / normalizer
-        elif self.loss_type == "bnpo":
-            loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / normalizer
-        elif self.loss_type == "dr_grpo":
-            loss = (per_token_loss * mask).sum() / (b * self.max_completion_length) / normalizer
-        elif self.loss_type == "dapo":
-            items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-            if mode == "train":
-                items = items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-            loss = (per_token_loss * mask).sum() / items
-        else:  # luspo (config.CLIPPED_LOSS_TYPES)
-            loss = (per_token_loss * mask).sum(-1).mean() / normalizer
-        policy_loss = (loss * (normalizer if self.loss_type != "dapo" else 1.0)).detach()
-
-        if self._entropy_bonus_enabled:  # a fixed entropy_coef (adaptive is refused)
-            # TRL's mean entropy over the tokens it acts on; with Lopti each phase adds its tokens' share.
-            acting = keep if entropy_mask is None else rows.new_zeros(b, t).masked_scatter(rows, entropy_mask.bool())
-            entropy_rows = out.entropy if entropy_mask is None else out.entropy * entropy_mask
-            loss = loss - self.entropy_coef * entropy_rows.sum() / acting.sum().clamp(min=1) / normalizer
+        if entropy_bonus:
+            if not one_pass:  # TRL's mean entropy over the tokens it acts on; with Lopti each phase adds its share
+                acting = keep
+                if entropy_mask is not None:
+                    acting = keep.new_zeros(b, t).masked_scatter(rows, entropy_mask.bool())
+                entropy_rows = out.entropy if entropy_mask is None else out.entropy * entropy_mask
+                loss = loss - self.entropy_coef * entropy_rows.sum() / acting.sum().clamp(min=1) / normalizer
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
             if mode == "train" and self.accelerator.sync_gradients:  # TRL's metric, once per optimizer step
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
@@ -620,6 +665,42 @@ class LoptiGRPOTrainer(GRPOTrainer):
             name = PHASE_NAMES[self.args.lopti_order][inputs["lopti_phase"]]
             self._metrics[mode][f"lopti/{name}/policy_loss"].append(self.accelerator.gather(policy_loss).mean().item())
             self._metrics[mode][f"lopti/{name}/clip_ratio"].append(global_mean(out.clipped.float()))
+
+
+class _KernelRows:
+    """Where the loss head's rows sit among a micro-batch's ``[B, T]`` completion positions.
+
+    On the logits path the kernel reads the model's ``[B, T + 1, V]`` logits as ``[B * (T + 1), V]`` rows, as they
+    are (row ``(i, j)`` predicts completion token ``j``; the last row of each sequence predicts nothing and is
+    masked), so a ``[B, T]`` input gets one more column; the untrained tokens are masked rows, which the kernel
+    skips. With the fused lm_head the rows are the trained tokens' hidden states only (``[N, H]``, gathered).
+
+    Args:
+        rows: ``[B, T]`` bool, the tokens this micro-step trains.
+        padded: the logits layout (``True``) or the gathered one.
+    """
+
+    def __init__(self, rows: torch.Tensor, padded: bool):
+        self.rows, self.padded = rows, padded
+        self.mask = self.to_kernel(rows)  # [R] bool
+
+    def to_kernel(self, values: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` -> ``[R]``, one value per kernel row (0 / False on the padding rows)."""
+        if not self.padded:
+            return values[self.rows]
+        return torch.cat([values, values.new_zeros(values.shape[0], 1)], dim=1).reshape(-1)
+
+    def on_rows(self, out: LossHeadOutput) -> LossHeadOutput:
+        """The kernel's per-token fields (``[R]``) on the trained tokens only (``[N]``, in ``rows``' order)."""
+        if not self.padded:
+            return out
+        b, t = self.rows.shape
+
+        def take(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if values is None else values.view(b, t + 1)[:, :-1][self.rows]
+
+        return dataclasses.replace(out, loss=take(out.loss), logp=take(out.logp), kl=take(out.kl),
+                                   clipped=take(out.clipped), entropy=take(out.entropy))  # fmt: skip
 
 
 class _DirectionAtRoundEnd(TrainerCallback):

@@ -461,6 +461,10 @@ class _TritonPolicyLossOnePass(torch.autograd.Function):
         reduced = torch.dot(loss_weights, loss)
         if entropy_weights is not None:
             reduced = reduced + torch.dot(entropy_weights, entropy)
+        if grad_in_logits:
+            # the logits now hold their gradient: any earlier op that saved them for its backward raises there,
+            # never backpropagates through the overwritten values silently
+            torch.autograd.graph.increment_version(logits)
         ctx.grad = grad
         ctx.mark_non_differentiable(loss, logp, kl, clipped, entropy, status, word)
         return reduced, loss, logp, kl, clipped, entropy, status, word
@@ -556,5 +560,6 @@ def triton_policy_loss(
                 reduced = reduced + torch.dot(entropy_weights.float(), entropy)
     return LossHeadOutput(
         loss=loss, logp=logp, kl=kl, clipped=clipped, entropy=entropy if return_entropy else None, reduced=reduced,
-        backend="triton", status=ValueStatus(status, word, logits.shape[1], temperature, logits.__getitem__),
+        backend="triton",
+        status=ValueStatus(status, word, logits.shape[1], temperature, None if grad_in_logits else logits.__getitem__),
     )  # fmt: skip
