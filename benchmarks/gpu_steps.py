@@ -14,6 +14,7 @@ module lets that import go through (:func:`deepspeed_stand_in`; any use of it ra
 """
 
 import argparse
+import gc
 import importlib.machinery
 import json
 import os
@@ -235,8 +236,9 @@ def _full_vocab_tokenizer(vocab_size: int):
 
 def trl_shapes(args) -> int:
     """TRL's ``GRPOTrainer`` against ``LoptiGRPOTrainer`` at Qwen2.5-0.5B's shapes (random weights from its config),
-    bf16, the same seed and batch: GRPO (TRL's, ours fused), AR + Lopti (fused, fused lm_head, TRL's loss path).
-    Per variant: seconds per generation batch (a GRPO step or a Lopti round, after the first) and peak memory;
+    bf16, the same seed and batch: GRPO (TRL's, ours fused, ours fused lm_head), AR + Lopti (fused, fused lm_head,
+    TRL's loss path). Per variant: seconds per generation batch (a GRPO step or a Lopti round, after the first),
+    peak memory, and the memory still held when it started (``start_gib``, after a collection: should be ~0);
     the backend that ran is in each trainer's printed line. Lopti's factor: AR + Lopti fused over our GRPO."""
     import torch
     from datasets import Dataset
@@ -258,6 +260,7 @@ def trl_shapes(args) -> int:
     variants = [  # (label, trainer class, our options or None for TRL's config)
         ("trl GRPOTrainer grpo", GRPOTrainer, None),
         ("ours grpo (fused)", LoptiGRPOTrainer, dict()),
+        ("ours grpo (fused lm_head)", LoptiGRPOTrainer, dict(fused_lm_head=True)),  # TRL 1.16's own head is fused
         ("ours ar+lopti (fused)", LoptiGRPOTrainer, dict(ar_alpha=0.3, lopti_eta=0.5)),
         ("ours ar+lopti (fused lm_head)", LoptiGRPOTrainer, dict(ar_alpha=0.3, lopti_eta=0.5, fused_lm_head=True)),
         ("ours ar+lopti (TRL's loss)", LoptiGRPOTrainer, dict(ar_alpha=0.3, lopti_eta=0.5, fused_loss=False)),
@@ -273,12 +276,16 @@ def trl_shapes(args) -> int:
             epsilon_high=0.28, loss_type="dapo",
         )  # fmt: skip
         config = GRPOConfig(**common) if ours is None else LoptiGRPOConfig(**common, loss_backend="auto", **ours)
+        gc.collect()  # the previous variant's trainer holds reference cycles: free it before this one is measured
+        start_gib = None
+        if device_cuda:
+            torch.cuda.empty_cache()
+            start_gib = torch.cuda.memory_allocated() / 2**30  # what is still held (should be ~0): in the row
+            torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(Qwen2Config(**shape, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
         if device_cuda:
             model = model.to(torch.bfloat16)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
         times = _timed_callback()
         try:
             trainer = cls(model=model, reward_funcs=[reward], args=config, train_dataset=dataset, processing_class=tok,
@@ -292,7 +299,7 @@ def trl_shapes(args) -> int:
         per_round = [sum(times.times[i : i + (2 if lopti else 1)]) for i in range(0, len(times.times), 2 if lopti else 1)]
         later = per_round[1:] or per_round
         row = dict(variant=label, status="ok", optimizer_steps=len(times.times), round_s=per_round,
-                   round_s_after_first=sum(later) / len(later),
+                   round_s_after_first=sum(later) / len(later), start_gib=start_gib,
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device_cuda else None)  # fmt: skip
         rows.append(row)
         peak = "n/a" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
