@@ -5,7 +5,17 @@ Only torch is imported; the model is any Hugging Face causal LM (``get_output_em
 
 import torch
 
-_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+# config attributes by which a model transforms its logits (or the hidden states the head reads) outside the output
+# layer, with the value that means "no transform": Gemma / nanochat's soft cap, Cohere's scale, Granite's divisor,
+# Falcon-H1's and MuseGlimmer's multipliers, Inkling's muP divisor
+_LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": None,
+    "logit_scale": 1.0,
+    "logits_scaling": 1.0,
+    "lm_head_multiplier": 1.0,
+    "output_multiplier": 1.0,
+    "logits_mup_width_multiplier": 1.0,
+}
 
 
 def lm_head_parts(model, flag: str = "--fused-lm-head") -> tuple:
@@ -21,8 +31,9 @@ def lm_head_parts(model, flag: str = "--fused-lm-head") -> tuple:
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise ValueError(f"{flag} needs a torch.nn.Linear output layer, got {type(head).__name__}")
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for name, neutral in _LOGIT_TRANSFORMS.items():
-        value = getattr(model.config, name, None)
+        value = getattr(config, name, None)
         if value is not None and value != neutral:
             raise ValueError(
                 f"{flag} does not support models that transform their logits ({name}={value!r}); "

@@ -157,10 +157,16 @@ def test_cli_flag_sets_the_config_field():
     assert config_from_args(args).fused_lm_head is False
 
 
-def test_models_that_transform_their_logits_are_refused(tiny):
+@pytest.mark.parametrize(
+    "name, value",
+    [("final_logit_softcapping", 30.0),  # Gemma 2's soft cap: lm_head(hidden) would not be the logits
+     ("logit_scale", 0.0625), ("logits_scaling", 8.0), ("lm_head_multiplier", 0.5), ("output_multiplier", 2.0),
+     ("logits_mup_width_multiplier", 4.0)],
+)  # fmt: skip
+def test_models_that_transform_their_logits_are_refused(tiny, name, value):
     model, _ = tiny
     model = copy.deepcopy(model)
     assert lm_head_parts(model)[0] is model.get_input_embeddings().weight
-    model.config.final_logit_softcapping = 30.0  # Gemma 2's soft cap: lm_head(hidden) would not be the logits
-    with pytest.raises(ValueError, match="^--fused-lm-head does not support .*final_logit_softcapping=30.0"):
+    setattr(model.config, name, value)
+    with pytest.raises(ValueError, match=f"^--fused-lm-head does not support .*{name}={value!r}"):
         lm_head_parts(model)
