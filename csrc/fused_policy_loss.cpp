@@ -286,11 +286,13 @@ const float* upstream(const std::optional<at::Tensor>& grad, const char* name, i
 }
 
 // d/dlogits_ij = (g_i (onehot_ij - p_ij) - e_i p_ij (log p_ij + H_i)) / T, with
-// g_i = grad_logp_i + grad_loss_i * dloss/dlogp_i and e_i = grad_entropy_i, on unmasked rows.
-at::Tensor policy_loss_bwd(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& mask,
+// g_i = grad_logp_i + grad_loss_i * dloss/dlogp_i and e_i = grad_entropy_i, on unmasked rows; written into `grad`
+// [N, V] of the logits' dtype, which may be `logits` itself (each element's gradient reads only its own logit and
+// the row's statistics, and the label's logit is read before its row is overwritten).
+void fill_policy_loss_grad(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& mask,
                            const at::Tensor& stats, const std::optional<at::Tensor>& grad_loss,
                            const std::optional<at::Tensor>& grad_logp, const std::optional<at::Tensor>& grad_entropy,
-                           double temperature) {
+                           double temperature, at::Tensor& grad) {
   const RowAccess rows = check_logits(logits);
   const int64_t n = logits.size(0), v = rows.v;
   check_per_token(labels, "labels", n, at::kLong);
@@ -306,19 +308,22 @@ at::Tensor policy_loss_bwd(const at::Tensor& logits, const at::Tensor& labels, c
   const float* g_ent = upstream(grad_entropy, "grad_entropy", n, keep_entropy);
   const float inv_t = static_cast<float>(1.0 / temperature);
 
-  at::Tensor grad = at::empty({n, v}, logits.options());
+  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == n && grad.size(1) == v && grad.scalar_type() == rows.dtype &&
+                  (v == 1 || grad.stride(1) == 1),
+              "grad must be an [N, V] tensor of the logits' dtype with contiguous rows");
   const int64_t* label_p = labels.const_data_ptr<int64_t>();
   const bool* mask_p = mask.const_data_ptr<bool>();
   check_labels(label_p, mask_p, n, v);
   const float* stats_p = stats.const_data_ptr<float>();
   char* grad_base = static_cast<char*>(grad.mutable_data_ptr());
   const int64_t grad_row_bytes = v * grad.element_size();
+  const int64_t grad_stride_bytes = grad.stride(0) * grad.element_size();
   const at::ScalarType dtype = rows.dtype;
 
   at::parallel_for(0, n, rows_per_task(v), [&](int64_t begin, int64_t end) {
     std::vector<float> widened, widened_grad;
     for (int64_t i = begin; i < end; ++i) {
-      char* out = grad_base + i * grad_row_bytes;
+      char* out = grad_base + i * grad_stride_bytes;
       const float* st = stats_p + i * kStatsColumns;
       const float g = (g_logp ? g_logp[i] : 0.0f) + (g_loss ? g_loss[i] * st[3] : 0.0f);
       const float e = g_ent ? g_ent[i] : 0.0f;
@@ -328,6 +333,8 @@ at::Tensor policy_loss_bwd(const at::Tensor& logits, const at::Tensor& labels, c
       }
       const float max = st[0], log_sum = st[1], entropy = st[2];
       const float a = inv_t * (g + e * entropy), b = inv_t * e;
+      const int64_t label = label_p[i];
+      const float u = (rows.at(rows.row(i), label) * inv_t - max) - log_sum;  // before `out` may overwrite it
       const void* row = rows.kernel_row(i, widened);
       void* kernel_out = out;
       if (rows.widened()) {
@@ -336,8 +343,6 @@ at::Tensor policy_loss_bwd(const at::Tensor& logits, const at::Tensor& labels, c
       }
       row_softmax_grad(rows.kernel_dtype(), row, v, inv_t, max, log_sum, a, b, kernel_out);
 
-      const int64_t label = label_p[i];
-      const float u = (rows.at(rows.row(i), label) * inv_t - max) - log_sum;
       const float p = std::exp(u);  // 0 for a -inf label logit, whose b * u term is then skipped, not 0 * -inf
       const float at_label = (p > 0.0f ? -p * (b == 0.0f ? a : a + b * u) : 0.0f) + g * inv_t;
       if (dtype == at::kFloat) {
@@ -351,7 +356,24 @@ at::Tensor policy_loss_bwd(const at::Tensor& logits, const at::Tensor& labels, c
       }
     }
   });
+}
+
+at::Tensor policy_loss_bwd(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& mask,
+                           const at::Tensor& stats, const std::optional<at::Tensor>& grad_loss,
+                           const std::optional<at::Tensor>& grad_logp, const std::optional<at::Tensor>& grad_entropy,
+                           double temperature) {
+  at::Tensor grad = at::empty({logits.size(0), logits.size(1)}, logits.options());
+  fill_policy_loss_grad(logits, labels, mask, stats, grad_loss, grad_logp, grad_entropy, temperature, grad);
   return grad;
+}
+
+// The same, written over the logits (the caller's grad_in_logits: one [N, V] buffer less).
+at::Tensor& policy_loss_bwd_(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& mask,
+                             const at::Tensor& stats, const std::optional<at::Tensor>& grad_loss,
+                             const std::optional<at::Tensor>& grad_logp, const std::optional<at::Tensor>& grad_entropy,
+                             double temperature) {
+  fill_policy_loss_grad(logits, labels, mask, stats, grad_loss, grad_logp, grad_entropy, temperature, logits);
+  return logits;
 }
 
 std::string cpu_isa() { return selected_isa(); }
@@ -367,12 +389,16 @@ TORCH_LIBRARY_FRAGMENT(openrlhf_lopti, m) {
   m.def(
       "policy_loss_bwd(Tensor logits, Tensor labels, Tensor mask, Tensor stats, Tensor? grad_loss, "
       "Tensor? grad_logp, Tensor? grad_entropy, float temperature) -> Tensor");
+  m.def(
+      "policy_loss_bwd_(Tensor(a!) logits, Tensor labels, Tensor mask, Tensor stats, Tensor? grad_loss, "
+      "Tensor? grad_logp, Tensor? grad_entropy, float temperature) -> Tensor(a!)");
   m.def("cpu_isa() -> str", &cpu_isa);
 }
 
 TORCH_LIBRARY_IMPL(openrlhf_lopti, CPU, m) {
   m.impl("policy_loss_fwd", &policy_loss_fwd);
   m.impl("policy_loss_bwd", &policy_loss_bwd);
+  m.impl("policy_loss_bwd_", &policy_loss_bwd_);
 }
 
 }  // namespace openrlhf_lopti

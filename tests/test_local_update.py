@@ -407,13 +407,14 @@ def test_one_step_matches_the_loss_written_out(peaked, estimator, grad_clip, fus
     assert max(float((a - p.detach()).abs().max()) for a, p in zip(ours["after"], model.parameters())) > 1e-4
 
 
-def test_the_triton_one_pass_head_takes_the_reference_step(peaked):
-    """``update_policy`` on the Triton backend (interpreted), whose one-pass head writes the gradient into the
-    trained rows' logits (a copy), takes the torch reference's SGD step, Lopti's two phases included."""
+def test_the_heads_that_write_over_the_logits_take_the_reference_step(peaked):
+    """``update_policy`` on the Triton (interpreted) and C++ backends, which write the gradient over the trained rows'
+    logits (a copy; Triton in its one-pass forward, C++ in its backward), takes the torch reference's SGD step,
+    Lopti's two phases included."""
     model, tok = peaked
     exp = written_experience(model, tok)
     steps = {}
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "cpp"):
         policy = copy.deepcopy(model)
         cfg = cfg_for(loss_backend=backend, kl_coef=1.0, kl_estimator="k2", alpha=0.3, lopti=True, eta=0.5,
                       mini_batch_size=8, micro_batch_size=3)  # fmt: skip
@@ -423,8 +424,9 @@ def test_the_triton_one_pass_head_takes_the_reference_step(peaked):
         steps[backend] = [p.detach() - p0.detach() for p, p0 in zip(policy.parameters(), model.parameters())]
     largest = max(float(step.abs().max()) for step in steps["torch"])
     assert largest > 1e-4
-    for ours, reference in zip(steps["triton"], steps["torch"]):
-        assert torch.allclose(ours, reference, rtol=1e-4, atol=1e-5 * largest)
+    for backend in ("triton", "cpp"):
+        for ours, reference in zip(steps[backend], steps["torch"]):
+            assert torch.allclose(ours, reference, rtol=1e-4, atol=1e-5 * largest), backend
 
 
 def split_experience(model, tok):

@@ -12,6 +12,7 @@ import torch
 
 from openrlhf_lopti.algo import policy_loss_from_logits
 from openrlhf_lopti.ops import fused_policy_loss
+from openrlhf_lopti.ops.cpp_policy_loss import cpp_available
 
 from .allocations import NewTensors
 from .kernel_cases import Case, assert_near_truth, make_inputs, options, reference_truth
@@ -19,6 +20,8 @@ from .kernel_cases import Case, assert_near_truth, make_inputs, options, referen
 from openrlhf_lopti.ops.triton import policy_loss as kernels  # conftest has set TRITON_INTERPRET by now
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the backends that write the gradient over the logits (grad_in_logits); C++ only where it is built, on CPU
+IN_PLACE_BACKENDS = ["triton"] + (["cpp"] if DEVICE == "cpu" and cpp_available() else [])
 ONE_PASS_CASES = [
     Case(),
     Case(v=257, temperature=0.7, alpha=0.3, kl="k3", entropy=True),
@@ -134,9 +137,11 @@ class _Spy:
         return launch
 
 
-def test_the_gradient_written_into_the_logits_own_buffer():
-    """grad_in_logits=True: the lm_head's logits (not a leaf: the model made them) become their own gradient, so the
-    call allocates no [N, V] buffer; the gradients that reach the lm_head are the same."""
+@pytest.mark.parametrize("backend", IN_PLACE_BACKENDS)
+def test_the_gradient_written_into_the_logits_own_buffer(backend):
+    """grad_in_logits=True: the lm_head's logits (not a leaf: the model made them) become their own gradient (Triton:
+    in the forward, C++: in the backward), so the call and its backward allocate no [N, V] buffer; the gradients
+    that reach the lm_head are the same."""
     case = Case(n=16, v=130, dtype=torch.bfloat16, entropy=True, kl="k3", seed=6)
     inputs = make_inputs(case, DEVICE)
     g = torch.Generator().manual_seed(6)
@@ -150,10 +155,11 @@ def test_the_gradient_written_into_the_logits_own_buffer():
         with NewTensors() as seen:
             out = fused_policy_loss(logits, inputs["labels"], inputs["old_log_probs"], inputs["advantages"],
                                     inputs["mask"], ref_log_probs=inputs["ref_log_probs"], loss_weights=w,
-                                    entropy_weights=we, grad_in_logits=in_place, backend="triton",
+                                    entropy_weights=we, grad_in_logits=in_place, backend=backend,
                                     **options(case))  # fmt: skip
+            out.reduced.backward()
+        assert out.backend == backend
         allocated[in_place] = seen.shapes.count((case.n, case.v))
-        out.reduced.backward()
         grads[in_place] = (h.grad, W.grad)
         if in_place:  # the logits now hold their gradient
             assert not torch.equal(logits.detach(), (hidden @ weight.t()))
@@ -161,7 +167,8 @@ def test_the_gradient_written_into_the_logits_own_buffer():
     assert torch.equal(grads[True][0], grads[False][0]) and torch.equal(grads[True][1], grads[False][1])
 
 
-def test_logits_an_earlier_op_saved_are_never_backpropagated_overwritten():
+@pytest.mark.parametrize("backend", IN_PLACE_BACKENDS)
+def test_logits_an_earlier_op_saved_are_never_backpropagated_overwritten(backend):
     """grad_in_logits=True overwrites the logits: an op before the head whose backward reads its own output (here
     ``exp``; e.g. a model's final activation) must raise, not differentiate through the gradient's values."""
     case = Case(n=8, v=64, seed=8)
@@ -170,7 +177,7 @@ def test_logits_an_earlier_op_saved_are_never_backpropagated_overwritten():
     x = (inputs["logits"].float() / 8).clone().requires_grad_(True)
     logits = torch.exp(x)  # exp's backward reads this very tensor
     out = fused_policy_loss(logits, inputs["labels"], inputs["old_log_probs"], inputs["advantages"], inputs["mask"],
-                            loss_weights=w, grad_in_logits=True, backend="triton")  # fmt: skip
+                            loss_weights=w, grad_in_logits=True, backend=backend)  # fmt: skip
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.reduced.backward()
 

@@ -184,7 +184,8 @@ def initial_params(tok, initial, build=tiny_model):
     "loss_type, fused_lm_head, iterations, backend",
     [("dapo", False, 1, "torch"), ("grpo", True, 1, "torch"), ("bnpo", False, 1, "torch"),
      ("dr_grpo", False, 1, "torch"), ("dapo", False, 2, "torch"),
-     ("grpo", False, 1, "triton")],  # the one-pass head writing the gradient into the model's logits (interpreted)
+     ("grpo", False, 1, "triton"),  # the one-pass head writing the gradient into the model's logits (interpreted)
+     ("bnpo", False, 1, "cpp")],  # the C++ backward writing it there
 )  # fmt: skip
 def test_lopti_ar_round_matches_hand_written(tmp_path, tok, loss_type, fused_lm_head, iterations, backend):
     cfg = LoptiGRPOConfig(

@@ -136,6 +136,12 @@ def _register_fakes() -> None:
     def _bwd_fake(logits, labels, mask, stats, grad_loss, grad_logp, grad_entropy, temperature):
         return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
+    if hasattr(torch.ops.openrlhf_lopti, "policy_loss_bwd_"):  # absent from an extension built before it
+
+        @torch.library.register_fake("openrlhf_lopti::policy_loss_bwd_")
+        def _bwd_in_place_fake(logits, labels, mask, stats, grad_loss, grad_logp, grad_entropy, temperature):
+            return logits
+
 
 def _load() -> bool:
     global _error, _loaded, _tried
@@ -201,19 +207,22 @@ def _require() -> None:
 
 
 class _CppPolicyLoss(torch.autograd.Function):
-    """Forward keeps logits (no copy) and fp32 [N, 4] row statistics; backward recomputes the softmax.
+    """Forward keeps logits (no copy) and fp32 [N, 4] row statistics; backward recomputes the softmax, into a new
+    buffer or (``grad_in_logits``) over the logits themselves.
 
     Also returns the op's ``bad_rows`` flags (non-differentiable) for the caller to check."""
 
     @staticmethod
     def forward(ctx, logits, labels, old_log_probs, advantages, mask, ref_log_probs, alpha, eps_low, eps_high,
-                dual_clip, kl_coef, kl_estimator, temperature, return_entropy):  # fmt: skip
+                dual_clip, kl_coef, kl_estimator, temperature, return_entropy, grad_in_logits):  # fmt: skip
         loss, logp, kl, clipped, entropy, stats, bad_rows = torch.ops.openrlhf_lopti.policy_loss_fwd(
             logits, labels, old_log_probs, advantages, mask, ref_log_probs,
             alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, return_entropy,
         )  # fmt: skip
         ctx.save_for_backward(logits, labels, mask, stats)
         ctx.temperature = temperature
+        # an extension built before the in-place op existed still trains, into a new buffer
+        ctx.in_place = grad_in_logits and hasattr(torch.ops.openrlhf_lopti, "policy_loss_bwd_")
         ctx.mark_non_differentiable(kl, clipped, bad_rows)
         ctx.set_materialize_grads(False)  # unused outputs give None, and the kernel skips their terms
         return loss, logp, kl, clipped, entropy, bad_rows
@@ -222,12 +231,16 @@ class _CppPolicyLoss(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss, grad_logp, _grad_kl, _grad_clipped, grad_entropy, _grad_bad_rows):
         if grad_loss is None and grad_logp is None and grad_entropy is None:
-            return (None,) * 14
+            return (None,) * 15
         logits, labels, mask, stats = ctx.saved_tensors
-        grad_logits = torch.ops.openrlhf_lopti.policy_loss_bwd(
-            logits, labels, mask, stats, grad_loss, grad_logp, grad_entropy, ctx.temperature
-        )
-        return (grad_logits,) + (None,) * 13
+        upstream = (grad_loss, grad_logp, grad_entropy, ctx.temperature)
+        if ctx.in_place:
+            grad_logits = torch.ops.openrlhf_lopti.policy_loss_bwd_(logits, labels, mask, stats, *upstream)
+            # the logits now hold their gradient: a later backward that saved them raises, never reads it silently
+            torch.autograd.graph.increment_version(logits)
+        else:
+            grad_logits = torch.ops.openrlhf_lopti.policy_loss_bwd(logits, labels, mask, stats, *upstream)
+        return (grad_logits,) + (None,) * 14
 
 
 def cpp_policy_loss(
@@ -259,7 +272,8 @@ def cpp_policy_loss(
         labels, old_log_probs, advantages, mask, ref_log_probs: ``[N]``, as ``fused_policy_loss``; a label outside
             ``[0, V)`` on a kept row is flagged and never read.
         alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature, return_entropy, loss_weights,
-            entropy_weights: as ``fused_policy_loss``; ``grad_in_logits`` is accepted and ignored (two passes here).
+            entropy_weights, grad_in_logits: as ``fused_policy_loss`` (two passes here: with ``grad_in_logits`` the
+            backward writes the gradient over the logits).
 
     Returns:
         :class:`~openrlhf_lopti.ops.loss_head_output.LossHeadOutput` of fp32 ``[N]`` fields (``clipped`` bool);
@@ -290,9 +304,10 @@ def cpp_policy_loss(
         kl_estimator,
         float(temperature),
         bool(return_entropy),
+        bool(grad_in_logits),
     )
     out = PolicyLossOutput(loss=loss, logp=logp, kl=kl, clipped=clipped, entropy=entropy if return_entropy else None)
     return finish_per_token(
         out, bad_rows, logits.shape[1], labels, old_log_probs, advantages, mask, ref_log_probs, temperature,
-        loss_weights, entropy_weights, "cpp", logits.__getitem__,
+        loss_weights, entropy_weights, "cpp", logits.__getitem__,  # overwritten only later, in the backward
     )  # fmt: skip
