@@ -101,7 +101,8 @@ def update_policy(
         backend that ran (a string: the caller prints it).
 
     The loss head is the one-pass form (``loss_weights``: each token's share of the mini-batch's token mean, known
-    up front; on the logits path the Triton kernel writes the gradient into the trained rows' logits, a copy),
+    up front; on the logits path the kernel writes the gradient over the trained rows' logits, a copy: Triton in its
+    forward, C++ in its backward),
     and its value checks are read once per optimizer step, before it (``check="step"``): a NaN logit or
     a non-finite advantage raises there, naming the phase, the mini-batch and the row, before any weight moves.
     """

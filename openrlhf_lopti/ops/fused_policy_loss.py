@@ -223,8 +223,9 @@ def fused_policy_loss(
             (a token mean: ``mask / count``; :func:`~openrlhf_lopti.algo.loss_reduction_weights`).
         entropy_weights: ``[N]`` float weights of the entropy in ``reduced`` (e.g. ``-coef * loss_weights`` for an
             entropy bonus), or None; needs ``loss_weights``, and returns the entropy too.
-        grad_in_logits: with ``loss_weights``, the Triton kernel writes the gradient into the logits' own buffer
-            (one ``[N, V]`` less; the logits are overwritten, so only for a caller that no longer needs them).
+        grad_in_logits: with ``loss_weights``, the gradient is written into the logits' own buffer (one ``[N, V]``
+            less; Triton in its forward, C++ in its backward, the torch reference not at all; the logits are
+            overwritten, so only for a caller that no longer needs them: an op that saved them raises at backward).
         options: a :class:`~openrlhf_lopti.ops.LossOptions` holding ``alpha`` .. ``check`` (what the front
             ends pass), instead of those keywords.
 

@@ -52,8 +52,8 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   path: ...``). Fused (``fused_loss=True``, the default, where the kernel computes exactly the loss TRL's options
   ask for: ``config.trl_loss_reason``): ``_compute_loss`` takes the model's logits of the completion as they
   are (in the model's dtype, no copy) and runs ``fused_policy_loss`` on the trained tokens only, in one pass
-  where every token's weight is known up front (``_loss_type_weights``; the Triton kernel then writes the
-  gradient into the logits' own buffer), not with ``top_entropy_quantile`` or a KL kept apart from the surrogate;
+  where every token's weight is known up front (``_loss_type_weights``; the Triton and C++ kernels then write the
+  gradient over the logits), not with ``top_entropy_quantile`` or a KL kept apart from the surrogate;
   ``fused_lm_head`` runs ``fused_linear_policy_loss`` on the backbone's last hidden states and the output layer
   instead, so no logits exist. KL is TRL's k3 (clamped to [-10, 10] like OpenRLHF's, as our kernels do); the log
   ratio is clamped to +-20 before ``exp``; a MoE model's router aux loss is added as TRL adds it. TRL's metrics
