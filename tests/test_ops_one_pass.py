@@ -138,20 +138,31 @@ class _Spy:
 
 
 @pytest.mark.parametrize("backend", IN_PLACE_BACKENDS)
-def test_the_gradient_written_into_the_logits_own_buffer(backend):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "strided rows, -inf columns"])
+def test_the_gradient_written_into_the_logits_own_buffer(backend, dtype, layout):
     """grad_in_logits=True: the lm_head's logits (not a leaf: the model made them) become their own gradient (Triton:
     in the forward, C++: in the backward), so the call and its backward allocate no [N, V] buffer; the gradients
-    that reach the lm_head are the same."""
-    case = Case(n=16, v=130, dtype=torch.bfloat16, entropy=True, kl="k3", seed=6)
+    that reach the lm_head are the same, masked rows included, also on rows with a stride past V and with -inf
+    columns (padded vocab)."""
+    case = Case(n=16, v=130, dtype=dtype, entropy=True, kl="k3", seed=6)
     inputs = make_inputs(case, DEVICE)
     g = torch.Generator().manual_seed(6)
+    strided = layout != "contiguous"
     hidden = torch.randn(case.n, 8, generator=g).to(case.dtype)
-    weight = torch.randn(case.v, 8, generator=g).to(case.dtype)
+    weight = torch.randn(case.v + (3 if strided else 0), 8, generator=g).to(case.dtype)
+    padded = torch.zeros(case.v + 3, dtype=torch.bool)
+    padded[case.v - 5 : case.v] = True  # with strided rows, the last 5 columns -inf, none of them a label
+    labels = inputs["labels"].clamp(max=case.v - 6) if strided else inputs["labels"]
+    inputs = dict(inputs, labels=labels)
     w, we = _weights(case, inputs, True)
     grads, allocated = {}, {}
     for in_place in (False, True):
         h, W = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         logits = h @ W.t()
+        if strided:  # [N, V] rows 3 elements apart
+            logits = logits.masked_fill(padded, float("-inf"))[:, : case.v]
+            assert logits.stride(0) == case.v + 3
         with NewTensors() as seen:
             out = fused_policy_loss(logits, inputs["labels"], inputs["old_log_probs"], inputs["advantages"],
                                     inputs["mask"], ref_log_probs=inputs["ref_log_probs"], loss_weights=w,
@@ -162,7 +173,7 @@ def test_the_gradient_written_into_the_logits_own_buffer(backend):
         allocated[in_place] = seen.shapes.count((case.n, case.v))
         grads[in_place] = (h.grad, W.grad)
         if in_place:  # the logits now hold their gradient
-            assert not torch.equal(logits.detach(), (hidden @ weight.t()))
+            assert not torch.equal(logits.detach(), (hidden @ weight.t())[:, : case.v])
     assert allocated == {False: 1, True: 0}
     assert torch.equal(grads[True][0], grads[False][0]) and torch.equal(grads[True][1], grads[False][1])
 
