@@ -238,14 +238,16 @@ def trl_shapes(args) -> int:
     """TRL's ``GRPOTrainer`` against ``LoptiGRPOTrainer`` at Qwen2.5-0.5B's shapes (random weights from its config),
     bf16, the same seed and batch: GRPO (TRL's, ours fused, ours fused lm_head), AR + Lopti (fused, fused lm_head,
     TRL's loss path). Per variant: seconds per generation batch (a GRPO step or a Lopti round, after the first),
-    peak memory, and the memory still held when it started (``start_gib``, after a collection: should be ~0);
-    the backend that ran is in each trainer's printed line. Lopti's factor: AR + Lopti fused over our GRPO."""
+    peak memory, the memory still held when it started (``start_gib``, after a collection: should be ~0), the
+    device and the backend our loss head ran on (``backend_ran``, from ``ops.backends_ran``). Lopti's factor:
+    AR + Lopti fused over our GRPO."""
     import torch
     from datasets import Dataset
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     from openrlhf_lopti.local.task import compact_prompt, puzzles
+    from openrlhf_lopti.ops import backends_ran
     from openrlhf_lopti.trl import LoptiGRPOConfig, LoptiGRPOTrainer
 
     shape = TINY if args.shape == "tiny" else QWEN25_05B
@@ -287,6 +289,7 @@ def trl_shapes(args) -> int:
         if device_cuda:
             model = model.to(torch.bfloat16)
         times = _timed_callback()
+        before = backends_ran()
         try:
             trainer = cls(model=model, reward_funcs=[reward], args=config, train_dataset=dataset, processing_class=tok,
                           callbacks=[times])  # fmt: skip
@@ -298,13 +301,17 @@ def trl_shapes(args) -> int:
             continue
         per_round = [sum(times.times[i : i + (2 if lopti else 1)]) for i in range(0, len(times.times), 2 if lopti else 1)]
         later = per_round[1:] or per_round
-        row = dict(variant=label, status="ok", optimizer_steps=len(times.times), round_s=per_round,
-                   round_s_after_first=sum(later) / len(later), start_gib=start_gib,
+        after = backends_ran()
+        # our loss head's backends in this variant (none: TRL's own loss ran), and where: no fallback passes unseen
+        ran = sorted(name for name in after if after[name] > before.get(name, 0))
+        row = dict(variant=label, status="ok", backend_ran=",".join(ran) or "none (TRL's loss)",
+                   device=torch.cuda.get_device_name() if device_cuda else "cpu", optimizer_steps=len(times.times),
+                   round_s=per_round, round_s_after_first=sum(later) / len(later), start_gib=start_gib,
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device_cuda else None)  # fmt: skip
         rows.append(row)
         peak = "n/a" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
         print(f"{label}: {row['optimizer_steps']} optimizer steps, s per generation batch "
-              + ", ".join(f"{t:.2f}" for t in per_round) + f"; peak {peak}")  # fmt: skip
+              + ", ".join(f"{t:.2f}" for t in per_round) + f"; peak {peak}; backend {row['backend_ran']}")  # fmt: skip
         del trainer, model
     ok = {r["variant"]: r for r in rows if r["status"] == "ok"}
     grpo, lopti_row = ok.get("ours grpo (fused)"), ok.get("ours ar+lopti (fused)")

@@ -2,6 +2,7 @@
 one line, a failed or timed-out step prints its first error line and the session goes on, and every step's command
 parses with the real parser of what it runs. The GPU steps themselves cannot run here (no GPU in CI)."""
 
+import json
 import os
 import re
 import shlex
@@ -201,3 +202,26 @@ def test_the_cce_row_names_an_implementation_the_pinned_version_has():
         known = {"cce", "torch_compile"}
     assert impl in known, (impl, known)
     assert "filter_eps=None" in source  # exact: no gradient entry filtered
+
+
+def test_trl_shapes_rows_say_which_backend_ran_and_where(tmp_path):
+    """``gpu_steps trl-shapes`` (tiny shapes, on CPU): every row records the device and the backend our loss head ran
+    on, so that a fallback cannot pass as a kernel figure: ours on the C++ kernel (the fused lm_head's block steps run
+    in torch on CPU), none for TRL's own trainer and TRL's loss path."""
+    from .run_logs import failure_report
+
+    out = tmp_path / "trl_shapes.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_steps", "trl-shapes", "--cpu", "--shape", "tiny",
+                          "--batch", "8", "--completion", "8", "--rounds", "1", "--json", str(out)],
+                         capture_output=True, text=True, cwd=REPO, timeout=900)  # fmt: skip  (a hang guard)
+    assert run.returncode == 0, failure_report(run.stdout + run.stderr)
+    rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
+    assert all(row["status"] == "ok" and row["device"] == "cpu" for row in rows.values())
+    assert {name: row["backend_ran"] for name, row in rows.items()} == {
+        "trl GRPOTrainer grpo": "none (TRL's loss)",
+        "ours grpo (fused)": "cpp",
+        "ours grpo (fused lm_head)": "torch",
+        "ours ar+lopti (fused)": "cpp",
+        "ours ar+lopti (fused lm_head)": "torch",
+        "ours ar+lopti (TRL's loss)": "none (TRL's loss)",
+    }
