@@ -3,6 +3,9 @@
 Only torch is imported; the model is any Hugging Face causal LM (``get_output_embeddings``, ``config``).
 """
 
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
+
 import torch
 
 # config attributes by which a model transforms its logits (or the hidden states the head reads) outside the output
@@ -40,3 +43,29 @@ def lm_head_parts(model, flag: str = "--fused-lm-head") -> tuple:
                 f"run without {flag}"
             )
     return head.weight, head.bias
+
+
+@contextmanager
+def output_layer_runs(
+    model, on_hidden: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor], flag: str
+) -> Iterator[None]:
+    """Inside: ``model``'s output layer returns ``on_hidden(hidden [..., H], weight [V, H], bias [V] or None)`` in
+    place of its ``[..., V]`` logits, so a forward of the model (or of the DDP / FSDP / DeepSpeed engine around it)
+    never makes them.
+
+    The call runs inside the layer, where a wrapper has the weight ready (ZeRO-3 and FSDP gather it for the layer;
+    the weight is read at each call, since FSDP2 swaps the parameter in for it), and what it returns flows out of the
+    model as its logits, so the wrapper's backward hooks on the outputs see the loss's gradient. ``flag``: how the
+    user asked for it, named by :func:`lm_head_parts`'s errors (raised on entry).
+    """
+    lm_head_parts(model, flag=flag)
+    layer = model.get_output_embeddings()
+    own_forward = layer.__dict__.get("forward")  # an instance-level forward someone else set, kept
+    layer.forward = lambda hidden: on_hidden(hidden, layer.weight, layer.bias)
+    try:
+        yield
+    finally:
+        if own_forward is None:
+            del layer.forward  # back to the class's forward
+        else:
+            layer.forward = own_forward

@@ -6,6 +6,7 @@ global batch (both ranks' micro-batches, with their rollout log-probs and advant
 - each rank's phase masks are its tokens below / at or above it, and the ranks' counts add up to the logged global
   counts, which are the one process's;
 - the ranks' update (DDP's mean of their gradients) is the one process's update of the whole batch;
+- the same round through the fused lm_head (the output layer runs the loss inside DDP's forward) makes that update;
 - a resume from a mid-round checkpoint without the last process's round file fails on every process with the same
   line naming the missing file (before: that process raised alone and the others went on into training, to wait in
   their first collective);
@@ -26,12 +27,10 @@ pytest.importorskip("trl")
 from openrlhf_lopti.algo.lopti import quantile_threshold  # noqa: E402
 
 from .ds_ranks import free_port  # noqa: E402
-from .test_trl_trainer import tok  # noqa: E402, F401 (a fixture)
-from .trl_ranks import QUANTILE, build  # noqa: E402
+from .test_trl_trainer import tiny_model, tok  # noqa: E402, F401 (a fixture)
+from .trl_ranks import OURS, QUANTILE, build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = ("lopti_phase_1", "lopti_phase_2", "lopti_tokens_1", "lopti_tokens_2", "lopti_phase", "lopti_phase_mask",
-        "lopti_phase_tokens")  # added by the trainer to TRL's batch
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +102,23 @@ def test_two_processes_decide_one_round_and_make_one_processs_update(ranks, tok,
         # ulps of the parameter (seen: below 1 ulp), where a wrong normalisation would be off by the step itself
         assert (ours.detach() - theirs).abs().max() <= 4 * ulp * theirs.abs().max(), i
     assert any((ours.detach() - p0).abs().max() > 0 for p0, ours in zip(initial, one.model.parameters()))
+
+
+def test_the_fused_lm_head_under_ddp_makes_the_logits_paths_update(ranks, tok):
+    """``fused_lm_head=True`` on two processes (refused before: it ran the backbone outside DDP): each rank replays
+    its own batch of the round, and the update equals the logits path's, on both ranks alike."""
+    initial = [p.detach() for p in tiny_model(tok).parameters()]  # the seeded model both runs started from
+    for run in ranks:
+        def phases(trained: list) -> list:  # each phase's token rows, in any order (TRL shuffles the batch again)
+            return [sorted(m["lopti_phase_mask"].tolist()) for m in trained]
+
+        assert phases(run["fused_trained"]) == phases(run["trained"])  # the same round, phase by phase
+        for i, (fused, logits, start) in enumerate(zip(run["fused_params"], run["params"], initial)):
+            step = logits - start
+            # the same update up to fp32 rounding (another order of sums), not off by a share of it
+            assert (fused - start - step).abs().max() <= 1e-4 * step.abs().max() + 1e-7, i
+    assert any((p - p0).abs().max() > 0 for p, p0 in zip(ranks[0]["fused_params"], initial))
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["fused_params"], ranks[1]["fused_params"]))  # DDP's
 
 
 def test_a_checkpoint_without_a_processs_round_fails_every_process_in_one_line(ranks):

@@ -3,7 +3,7 @@
 Trains one Lopti round (a quantile threshold, so the ranks must gather to agree) on the tiny Llama of
 tests/test_trl_trainer.py, on CPU over gloo, with a checkpoint after each optimizer step, and writes ``OUT/rank<r>.pt``:
 the micro-batches the loss saw (a one-process replay of the same global batch starts from them), the logged metrics
-and the trained parameters. Then, in the same processes, two runs that must fail on every rank with one line:
+and the trained parameters, and those of the same round replayed through the fused lm_head. Then, in the same processes, two runs that must fail on every rank with one line:
 a resume from the mid-round checkpoint whose last process's round file is gone (a multi-node run without shared
 storage, its checkpoint copied from node 0), and a run whose reward function returns -inf for a completion of the
 last process only. tests/test_trl_processes.py reads them.
@@ -19,14 +19,16 @@ from openrlhf_lopti.trl import LoptiGRPOConfig, LoptiGRPOTrainer
 from tests.test_trl_trainer import distinct_words, kk_dataset, settings, tiny_model
 
 QUANTILE = 0.4
+OURS = ("lopti_phase_1", "lopti_phase_2", "lopti_tokens_1", "lopti_tokens_2", "lopti_phase", "lopti_phase_mask",
+        "lopti_phase_tokens")  # added by the trainer to TRL's batch
 
 
-def round_settings(out: str, per_device_batch: int) -> dict:
+def round_settings(out: str, per_device_batch: int, **kw) -> dict:
     """One round (2 optimizer steps, one per phase, a checkpoint after each), dapo's token-mean over the global batch
     (so that DDP's mean over ranks is one process's loss on the whole batch), SGD."""
     return settings(out, loss_type="dapo", per_device_train_batch_size=per_device_batch, num_generations=4,
                     gradient_accumulation_steps=1, steps_per_generation=1, max_steps=2, lopti_quantile=QUANTILE,
-                    ar_alpha=0.3, shuffle_dataset=False, save_strategy="steps", save_steps=1)  # fmt: skip
+                    ar_alpha=0.3, shuffle_dataset=False, save_strategy="steps", save_steps=1, **kw)  # fmt: skip
 
 
 class Replayed(GRPOTrainer):
@@ -49,9 +51,9 @@ class Trainer(LoptiGRPOTrainer, Replayed):
         return super()._compute_loss(model, inputs)
 
 
-def build(out: str, tok, per_device_batch: int, replay=None, reward=distinct_words) -> Trainer:
-    """The trainer of one rank (``replay`` None) or of the one-process replay."""
-    cfg = LoptiGRPOConfig(**round_settings(out, per_device_batch))
+def build(out: str, tok, per_device_batch: int, replay=None, reward=distinct_words, **kw) -> Trainer:
+    """The trainer of one rank (``replay`` None) or of the one-process replay; ``kw``: more settings."""
+    cfg = LoptiGRPOConfig(**round_settings(out, per_device_batch, **kw))
     data = kk_dataset(1).to_list() * 8  # one prompt: every rank's prompt tokens line up (no left padding)
     from datasets import Dataset
 
@@ -89,6 +91,11 @@ def main(out: str) -> int:
     if rank == world - 1:
         os.remove(os.path.join(checkpoint, f"lopti_round-{rank}.pt"))
     torch.distributed.barrier()
+    # the same round again through the fused lm_head, each rank replaying its own generation batch: the output
+    # layer runs the loss inside DDP's forward (it was refused on more than one process)
+    own = {k: v for k, v in trainer.trained[0].items() if k not in OURS}
+    fused = build(os.path.join(out, "fused"), tok, per_device_batch=4, replay=own, fused_lm_head=True)
+    fused.train()
     resume = failure(lambda: build(out, tok, per_device_batch=4).train(resume_from_checkpoint=checkpoint))
     reward = failure(lambda: build(out, tok, per_device_batch=4, reward=last_process_only).train())
     torch.save(
@@ -98,6 +105,8 @@ def main(out: str) -> int:
             "trained": trainer.trained,
             "logs": trainer.state.log_history,
             "params": [p.detach().clone() for p in trainer.model.parameters()],
+            "fused_params": [p.detach().clone() for p in fused.model.parameters()],
+            "fused_trained": fused.trained,
             "round_files": saved,
             "resume_error": resume,
             "reward_error": reward,

@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (-1: --epochs over the data)")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--vllm", action="store_true", help="generate with vLLM (colocated), TRL's use_vllm")
-    p.add_argument("--fused-lm-head", action="store_true", help="fused_linear_policy_loss (one process only)")
+    p.add_argument("--fused-lm-head", action="store_true", help="fused_linear_policy_loss: no [N, V] logits")
     p.add_argument("--cpu", action="store_true", help="rehearse on CPU: tiny warmed-up Llama, generated puzzles")
     p.add_argument("--warmup-steps", type=int, default=30, help="--cpu: supervised warm-up steps of the tiny Llama")
     p.add_argument("--seed", type=int, default=0)

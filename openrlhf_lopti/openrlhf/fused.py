@@ -7,12 +7,12 @@ of experience making (:func:`fused_log_probs`: the old-policy and reference log-
 """
 
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator, Optional
 
 import torch
 
-from openrlhf_lopti.models import lm_head_parts  # noqa: F401 - the trainer checks the layer with it too
+from openrlhf_lopti.models import lm_head_parts, output_layer_runs  # noqa: F401 - the trainer checks the layer with it too
 from openrlhf_lopti.ops import fused_policy_loss, linear_log_probs
 
 
@@ -70,15 +70,14 @@ def head_to_kernels(
     Without ``lm_head``, a forward hook on ``actor.model`` (the DeepSpeed engine in training: hooking it keeps the
     gradient hooks the engine puts on its outputs) stores ``on_logits(logits)`` as ``found["result"]``, given the
     model's ``[..., V]`` logits in their own dtype. With ``lm_head``, the output layer's forward becomes
-    ``on_hidden(hidden [..., H], weight [V, H], bias)``, which returns a ``[..., k]`` tensor of per-position
-    values in place of the logits (so the ``[N, V]`` logits are never made); it comes back as ``found["columns"]``.
-    Flowing out of the layer, those values carry DeepSpeed's hooks: under ZeRO-3 the weight is gathered for the
-    backward too and its gradient reaches the partitioned parameter. Either way ``output.logits`` is then
+    ``on_hidden(hidden [..., H], weight [V, H], bias)`` (:func:`~openrlhf_lopti.models.output_layer_runs`), which
+    returns a ``[..., k]`` tensor of per-position values in place of the logits (so the ``[N, V]`` logits are never
+    made); it comes back as ``found["columns"]``. Flowing out of the layer, those values carry DeepSpeed's hooks:
+    under ZeRO-3 the weight is gathered for the backward too and its gradient reaches the partitioned parameter. Either way ``output.logits`` is then
     replaced by an empty ``[..., 0]`` tensor, on which ``Actor.forward``'s fp32 upcast and temperature divide
     cost nothing.
     """
     found: dict = {}
-    layer, own_forward = None, None
 
     def take_logits(module, args, output):
         if lm_head:
@@ -89,22 +88,13 @@ def head_to_kernels(
         output["logits"] = logits.new_empty((*logits.shape[:-1], 0))  # survives .to(float32) and .div_
         return output
 
-    if lm_head:
-        model = hf_model(actor)
-        layer = model.get_output_embeddings()
-        weight, bias = lm_head_parts(model)  # the parameters themselves: gathered while the layer runs (ZeRO-3)
-        own_forward = layer.__dict__.get("forward")  # an instance-level forward someone else set, kept
-        layer.forward = lambda hidden: on_hidden(hidden, weight, bias)
-    handle = actor.model.register_forward_hook(take_logits)
-    try:
-        yield found
-    finally:
-        handle.remove()
-        if layer is not None:
-            if own_forward is None:
-                del layer.forward  # back to the class's forward
-            else:
-                layer.forward = own_forward
+    layer = output_layer_runs(hf_model(actor), on_hidden, flag="--actor.fused_lm_head") if lm_head else nullcontext()
+    with layer:
+        handle = actor.model.register_forward_hook(take_logits)
+        try:
+            yield found
+        finally:
+            handle.remove()
 
 
 @contextmanager

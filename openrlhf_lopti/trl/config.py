@@ -36,7 +36,7 @@ class LoptiGRPOConfig(GRPOConfig):
             exactly the loss TRL's options ask for (:func:`trl_loss_reason`); elsewhere, and with False, TRL's own
             loss runs, with AR's weights and the Lopti phase when they are on (untouched when they are off).
         fused_lm_head: with ``fused_loss``: ``fused_linear_policy_loss`` on the last hidden states and the
-            output layer, so the ``[N, V]`` logits are never made (one process only).
+            output layer, so the ``[N, V]`` logits are never made (on any number of processes).
         loss_backend: the kernels' backend, one of ``openrlhf_lopti.ops.BACKENDS`` (``"auto"``: triton on CUDA,
             the C++ kernel on CPU when built, else torch).
         track_direction: log ``direction/*`` (paper Fig. 3) after each round (one forward-only pass over it).
@@ -91,7 +91,7 @@ class LoptiGRPOConfig(GRPOConfig):
         self.lopti_settings  # noqa: B018 - raises on algo's rule: the two thresholds together are refused
         if self.loss_backend not in BACKENDS:
             raise ValueError(f"loss_backend must be one of {BACKENDS}, got {self.loss_backend!r}")
-        problems = refusals(self, num_processes=self.world_size) + cpu_colocate.refusals(self)
+        problems = refusals(self) + cpu_colocate.refusals(self)
         if problems:
             raise ValueError(problems[0])
 
@@ -121,14 +121,13 @@ def trl_loss_reason(args: LoptiGRPOConfig, multimodal: bool = False) -> Optional
     return None
 
 
-def refusals(args: LoptiGRPOConfig, num_processes: int = 1, peft: bool = False, multimodal: bool = False) -> list:
+def refusals(args: LoptiGRPOConfig, peft: bool = False, multimodal: bool = False) -> list:
     """One line per combination in ``args`` that ``LoptiGRPOTrainer`` refuses (empty: all fine). Every option TRL
     takes runs, on the fused path or on TRL's loss (:func:`trl_loss_reason`); refused are combinations without a
     meaning and what the fused lm_head cannot do.
 
     Args:
         args: the configuration.
-        num_processes: training processes (``accelerator.num_processes``).
         peft: the model is a PEFT model.
         multimodal: the processing class is a multimodal processor.
     """
@@ -143,8 +142,6 @@ def refusals(args: LoptiGRPOConfig, num_processes: int = 1, peft: bool = False, 
                 f"fused_lm_head=True with {reason}: the fused lm_head computes the token-level clipped surrogate only "
                 "(this option runs TRL's loss); set fused_lm_head=False"
             )
-        if num_processes > 1:
-            out.append("fused_lm_head=True runs on one process only (it calls the backbone outside DDP/FSDP)")
         if args.cast_lm_head_to_fp32:
             out.append("fused_lm_head=True with cast_lm_head_to_fp32=True: the kernel takes the model's dtype")
         if peft:

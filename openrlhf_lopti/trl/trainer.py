@@ -54,8 +54,8 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   are (in the model's dtype, no copy) and runs ``fused_policy_loss`` on the trained tokens only, in one pass
   where every token's weight is known up front (``_loss_type_weights``; the Triton and C++ kernels then write the
   gradient over the logits), not with ``top_entropy_quantile`` or a KL kept apart from the surrogate;
-  ``fused_lm_head`` runs ``fused_linear_policy_loss`` on the backbone's last hidden states and the output layer
-  instead, so no logits exist. KL is TRL's k3 (clamped to [-10, 10] like OpenRLHF's, as our kernels do); the log
+  ``fused_lm_head`` has the model's output layer run ``fused_linear_policy_loss`` on its input rows instead,
+  inside TRL's wrapped model's forward (DDP / FSDP / DeepSpeed), so no logits exist. KL is TRL's k3 (clamped to [-10, 10] like OpenRLHF's, as our kernels do); the log
   ratio is clamped to +-20 before ``exp``; a MoE model's router aux loss is added as TRL adds it. TRL's metrics
   keep their names (``entropy``, ``kl``, ``clip_ratio/*``, ``entropy_coef``, ``aux_loss``). TRL's loss (every
   other option, or ``fused_loss=False``): TRL's own ``_compute_loss``, with AR's weights and the Lopti phase
@@ -66,7 +66,7 @@ TRL's loss.
 
 Refused at construction with one line (``config.refusals``): an entropy mask together with Lopti, a
 ``max_steps`` that cuts a round, AR or Lopti with a multimodal model, and ``fused_lm_head`` with an option that
-runs TRL's loss / on more than one process / with PEFT / with ``cast_lm_head_to_fp32``; ``lopti_eta`` with
+runs TRL's loss / with PEFT / with ``cast_lm_head_to_fp32``; ``lopti_eta`` with
 ``lopti_quantile`` (``algo.lopti_settings``). A reward function that returns NaN or inf fails the generation in
 one line naming it (``reward_check``). On TRL's loss path with AR and Lopti off, this is TRL's trainer unchanged
 but for that check.
@@ -101,7 +101,7 @@ from openrlhf_lopti.algo import (
     reweight_advantages,
     sum_direction_counts,
 )
-from openrlhf_lopti.models import lm_head_parts
+from openrlhf_lopti.models import lm_head_parts, output_layer_runs
 from openrlhf_lopti.ops import (
     LossHeadOutput,
     LossOptions,
@@ -151,9 +151,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
         from transformers import ProcessorMixin
 
         multimodal = isinstance(self.processing_class, ProcessorMixin)
-        problems = refusals(
-            args, num_processes=self.accelerator.num_processes, peft=is_peft_model(self.model), multimodal=multimodal
-        )
+        problems = refusals(args, peft=is_peft_model(self.model), multimodal=multimodal)
         if problems:
             raise ValueError(problems[0])
         # the loss path, decided once: the fused kernel where it computes exactly TRL's loss, else TRL's own loss
@@ -465,33 +463,52 @@ class LoptiGRPOTrainer(GRPOTrainer):
             entropies = None if entropies is None else phase_gradient(entropies, self._phase_grad_mask)
         return logps, entropies, aux_loss
 
-    def _completion_outputs(self, model, inputs: dict, rows: torch.Tensor) -> tuple:
-        """``(kind, tensor, aux_loss)``: the model's logits of the completion, ``[B * (T + 1), V]`` (a view of its
-        own ``[B, T + 1, V]`` output: a row per completion position and one after the last, no copy), or with
-        ``fused_lm_head`` the ``[N, H]`` last hidden states on ``rows`` (``[B, T]`` bool); in the model's dtype,
-        under TRL's autocast. ``aux_loss``: a MoE model's router load-balancing loss of the forward (scalar), as
-        TRL computes it, or None."""
+    def _loss_head(self, model, inputs: dict, layout: "_KernelRows", per_token: list, options: dict) -> tuple:
+        """``(kernel_out, aux_loss)``: one forward of TRL's ``model`` (DDP / FSDP / DeepSpeed's wrapper, as TRL calls
+        it) on the micro-batch, under TRL's autocast, with the loss head on the completion: ``fused_policy_loss`` on
+        the model's logits (``[B * (T + 1), V]``, a view of its own ``[B, T + 1, V]`` output: a row per completion
+        position and one after the last, no copy), or with ``fused_lm_head`` ``fused_linear_policy_loss`` run by the
+        output layer on its ``[N, H]`` input rows (:func:`~openrlhf_lopti.models.output_layer_runs`), so no
+        ``[N, V]`` logits exist. ``per_token``, ``options``: the kernel's arguments on ``layout``'s rows.
+        ``aux_loss``: a MoE model's router load-balancing loss of the forward (scalar), or None."""
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        t = inputs["completion_ids"].size(1)
+        b, t = layout.rows.shape
         router = {"output_router_logits": True} if self.aux_loss_enabled else {}
-        with self.accelerator.autocast():
-            if self.args.fused_lm_head:
-                backbone = self.accelerator.unwrap_model(model).get_decoder()
-                out = backbone(input_ids=ids, attention_mask=attention, use_cache=False, **router)
-                aux_loss = self._router_aux_loss(out.router_logits, attention) if router else None
-                return "hidden", out.last_hidden_state[:, -t - 1 : -1][rows], aux_loss
-            out = model(input_ids=ids, attention_mask=attention, logits_to_keep=t + 1, use_cache=False, **router)
+        forward = dict(input_ids=ids, attention_mask=attention, logits_to_keep=t + 1, use_cache=False, **router)
+        if not self.args.fused_lm_head:
+            with self.accelerator.autocast():
+                out = model(**forward)
             # no [:, :-1] slice: a slice would make the rows non-uniform and the kernel's input a copy
-            return "logits", out.logits.reshape(-1, out.logits.shape[-1]), out.aux_loss if router else None
+            kernel_out = fused_policy_loss(out.logits.reshape(-1, out.logits.shape[-1]), *per_token, **options)
+            return kernel_out, out.aux_loss if router else None
 
-    def _router_aux_loss(self, router_logits: tuple, attention: torch.Tensor) -> torch.Tensor:
-        """The load-balancing loss of the backbone's router logits, as TRL's fused forward computes it
-        (``trl.trainer.utils.add_fused_lm_head``: Mixtral's ``load_balancing_loss_func``, every MoE family's)."""
-        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+        positions = torch.nn.functional.pad(layout.rows, (0, 1))  # [B, T + 1]: the trained rows among the layer's
+        held = {}
 
-        config = self.accelerator.unwrap_model(self.model).config.get_text_config()
-        return load_balancing_loss_func(router_logits, config.num_experts, config.num_experts_per_tok, attention)
+        def on_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+            # the kernel in the weight's dtype, as on the logits path's kernel: outside TRL's autocast, which may
+            # hand the layer the backbone's output in another dtype
+            with torch.autocast(hidden.device.type, enabled=False):
+                rows = hidden[positions].to(weight.dtype)  # [N, H]
+                out = fused_linear_policy_loss(rows, weight, *per_token, bias=bias, **options)
+            held["out"] = out
+            # the fields with a gradient leave as the layer's output ([B, T + 1, k]), so that what the wrapper hooks
+            # on the model's outputs (FSDP's and ZeRO-3's gathers for the backward) is on the loss's path
+            fields = torch.stack([out.loss, out.logp, out.entropy], -1)  # [N, 3]
+            columns = fields.new_zeros(b, t + 1, 3).index_put((positions,), fields)
+            reduced = fields.new_zeros(()) if out.reduced is None else out.reduced
+            return torch.cat([columns, reduced.expand(b, t + 1, 1)], -1)
+
+        with output_layer_runs(self.accelerator.unwrap_model(model), on_hidden, flag="fused_lm_head=True"):
+            with self.accelerator.autocast():
+                out = model(**forward)
+        fields = out.logits[positions]  # [N, 4]
+        kernel_out = dataclasses.replace(
+            held.pop("out"), loss=fields[:, 0], logp=fields[:, 1], entropy=fields[:, 2],
+            reduced=None if options.get("loss_weights") is None else out.logits[0, 0, 3],
+        )  # fmt: skip
+        return kernel_out, out.aux_loss if router else None
 
     def _compute_loss(self, model, inputs: dict) -> torch.Tensor:
         """TRL's loss with the per-token term from ``fused_policy_loss`` (or ``fused_linear_policy_loss``),
@@ -528,8 +545,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
         # apart from the surrogate (it needs the log-prob's gradient).
         one_pass = self.top_entropy_quantile == 1.0 and not (self.beta != 0.0 and separate_kl)
 
-        kind, source, aux_loss = self._completion_outputs(model, inputs, rows)
-        layout = _KernelRows(rows, padded=kind == "logits")
+        layout = _KernelRows(rows, padded=not self.args.fused_lm_head)
         loss_options = LossOptions(
             alpha=self.args.ar_alpha, eps_low=self.epsilon_low, eps_high=self.epsilon_high,
             kl_coef=0.0 if separate_kl else self.beta, kl_estimator="k3", temperature=self.temperature,
@@ -545,15 +561,10 @@ class LoptiGRPOTrainer(GRPOTrainer):
             if entropy_bonus:  # TRL's bonus: the mean entropy over every response token, per micro-step
                 options["entropy_weights"] = layout.to_kernel(rows * (-self.entropy_coef / keep.sum().clamp(min=1)
                                                                       / normalizer))  # fmt: skip
-            if kind == "logits":  # their buffer takes their gradient (one [N, V] less): the model's output, unshared
+            if not self.args.fused_lm_head:  # their buffer takes their gradient (one [N, V] less): the model's output, unshared
                 options["grad_in_logits"] = True
         per_token = [layout.to_kernel(x) for x in (inputs["completion_ids"], old, advantages)] + [layout.mask]
-        if kind == "hidden":
-            weight, bias = lm_head_parts(self.accelerator.unwrap_model(model))
-            # autocast may hand back the backbone's output in another dtype than the head's weight
-            kernel_out = fused_linear_policy_loss(source.to(weight.dtype), weight, *per_token, bias=bias, **options)
-        else:
-            kernel_out = fused_policy_loss(source, *per_token, **options)
+        kernel_out, aux_loss = self._loss_head(model, inputs, layout, per_token, options)
         if mode == "train":  # read before the optimizer step (_read_value_checks)
             self._checks_before_the_step().add(kernel_out.status, self._micro_step_name(inputs))
             if self._print_backend and self.accelerator.is_main_process:  # once per run: which kernel trains it
