@@ -436,6 +436,25 @@ def test_the_logits_path_makes_no_vocab_wide_buffer_but_the_models_logits(tmp_pa
     assert [math.prod(shape) for _, shape in wide] == [b * (t + 1) * v], wide
 
 
+def test_the_fused_lm_head_makes_no_logits_inside_the_models_forward(tmp_path, tok):
+    """With ``fused_lm_head`` the micro-step calls the model as TRL does (its output layer runs the loss): no tensor
+    as wide as the vocabulary has more rows than the phase's trained tokens, so the model's ``[B, T + 1, V]`` logits
+    are never made; the output layer is the class's own again afterwards."""
+    cfg = LoptiGRPOConfig(**settings(tmp_path, ar_alpha=0.3, lopti_eta=0.5, max_steps=2, fused_lm_head=True))
+    _, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok)
+    inputs = recorded[0]
+    b, t = inputs["completion_ids"].shape
+    v = trainer.model.config.vocab_size
+    trained = int((inputs["lopti_phase_mask"] & inputs["completion_mask"].bool()).sum())
+    assert 0 < trained < b * t
+    with NewTensors() as seen:
+        loss = trainer._compute_loss(trainer.model, dict(inputs))
+        loss.backward()
+    wide = [(op, shape) for op, shape in zip(seen.ops, seen.shapes) if len(shape) > 1 and shape[-1] == v]
+    assert wide and max(math.prod(shape) for _, shape in wide) <= trained * v, wide
+    assert "forward" not in trainer.model.get_output_embeddings().__dict__
+
+
 def test_a_bad_value_raises_before_the_optimizer_step_naming_where(tmp_path, tok, capsys):
     """The fused loss's value checks are read before each optimizer step (a pre-hook on the optimizer), not in the
     call: a non-finite advantage planted in the first micro-step raises at the first step, naming the optimizer
