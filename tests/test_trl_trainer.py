@@ -455,6 +455,34 @@ def test_the_fused_lm_head_makes_no_logits_inside_the_models_forward(tmp_path, t
     assert "forward" not in trainer.model.get_output_embeddings().__dict__
 
 
+def test_the_fused_lm_head_trains_a_lora_model_as_the_logits_path(tmp_path, tok):
+    """``peft_config`` with ``fused_lm_head`` (refused before): LoRA on the attention trains through the fused lm_head
+    as through the logits (the same update); an output layer in PEFT's ``modules_to_save`` wrapper is refused in one
+    line (TRL refuses LoRA on the output layer itself)."""
+    from peft import LoraConfig
+
+    def lora(fused: bool, **peft) -> LoptiGRPOTrainer:
+        cfg = LoptiGRPOConfig(**settings(tmp_path / str(fused), ar_alpha=0.3, lopti_eta=0.5, max_steps=2,
+                                         fused_lm_head=fused))  # fmt: skip
+        # nonzero B: gradients reach A too
+        peft = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **peft)
+        return LoptiGRPOTrainer(model=tiny_model(tok), reward_funcs=[distinct_words], args=cfg,
+                                train_dataset=kk_dataset(), processing_class=tok, peft_config=peft)  # fmt: skip
+
+    trained = {}
+    for fused in (False, True):
+        trainer = lora(fused)
+        initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        trainer.train()
+        trained[fused] = {n: p.detach() - initial[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained[True].keys() == trained[False].keys() and all("lora_" in n for n in trained[True])
+    for name, step in trained[False].items():
+        assert step.abs().max() > 0, name
+        assert (trained[True][name] - step).abs().max() <= 1e-4 * step.abs().max(), name
+    with pytest.raises(ValueError, match=r"^fused_lm_head=True needs a torch.nn.Linear output layer, got Modu"):
+        lora(True, modules_to_save=["lm_head"])  # the output layer trained whole, in PEFT's wrapper
+
+
 def test_a_bad_value_raises_before_the_optimizer_step_naming_where(tmp_path, tok, capsys):
     """The fused loss's value checks are read before each optimizer step (a pre-hook on the optimizer), not in the
     call: a non-finite advantage planted in the first micro-step raises at the first step, naming the optimizer

@@ -121,14 +121,13 @@ def trl_loss_reason(args: LoptiGRPOConfig, multimodal: bool = False) -> Optional
     return None
 
 
-def refusals(args: LoptiGRPOConfig, peft: bool = False, multimodal: bool = False) -> list:
+def refusals(args: LoptiGRPOConfig, multimodal: bool = False) -> list:
     """One line per combination in ``args`` that ``LoptiGRPOTrainer`` refuses (empty: all fine). Every option TRL
     takes runs, on the fused path or on TRL's loss (:func:`trl_loss_reason`); refused are combinations without a
     meaning and what the fused lm_head cannot do.
 
     Args:
         args: the configuration.
-        peft: the model is a PEFT model.
         multimodal: the processing class is a multimodal processor.
     """
     out = []
@@ -144,8 +143,6 @@ def refusals(args: LoptiGRPOConfig, peft: bool = False, multimodal: bool = False
             )
         if args.cast_lm_head_to_fp32:
             out.append("fused_lm_head=True with cast_lm_head_to_fp32=True: the kernel takes the model's dtype")
-        if peft:
-            out.append("fused_lm_head=True with a PEFT model is not supported")
     if multimodal and method:
         out.append(
             "ar_alpha / lopti_eta / lopti_quantile with a multimodal model: the rollout log-probs AR and Lopti read "

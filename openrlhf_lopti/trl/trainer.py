@@ -66,7 +66,7 @@ TRL's loss.
 
 Refused at construction with one line (``config.refusals``): an entropy mask together with Lopti, a
 ``max_steps`` that cuts a round, AR or Lopti with a multimodal model, and ``fused_lm_head`` with an option that
-runs TRL's loss / with PEFT / with ``cast_lm_head_to_fp32``; ``lopti_eta`` with
+runs TRL's loss / with ``cast_lm_head_to_fp32`` (or an output layer it cannot fuse: a LoRA one); ``lopti_eta`` with
 ``lopti_quantile`` (``algo.lopti_settings``). A reward function that returns NaN or inf fails the generation in
 one line naming it (``reward_check``). On TRL's loss path with AR and Lopti off, this is TRL's trainer unchanged
 but for that check.
@@ -147,11 +147,10 @@ class LoptiGRPOTrainer(GRPOTrainer):
             super().__init__(*args_, args=args, **kwargs)
         if vllm_on_cpu(args) and args.vllm_mode == "colocate":
             repack_after_every_sync(self.vllm_generation)
-        from accelerate.utils import is_peft_model
         from transformers import ProcessorMixin
 
         multimodal = isinstance(self.processing_class, ProcessorMixin)
-        problems = refusals(args, peft=is_peft_model(self.model), multimodal=multimodal)
+        problems = refusals(args, multimodal=multimodal)
         if problems:
             raise ValueError(problems[0])
         # the loss path, decided once: the fused kernel where it computes exactly TRL's loss, else TRL's own loss
