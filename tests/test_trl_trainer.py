@@ -343,7 +343,6 @@ def test_kk_run_checkpoint_and_metrics(tmp_path, tok):
         (dict(fused_lm_head=True, importance_sampling_level="sequence"), "fused_lm_head=True with importance_sampling"),
         (dict(lopti_eta=0.5, top_entropy_quantile=0.2), "top_entropy_quantile=0.2 with lopti_eta / lopti_quantile"),
         (dict(lopti_eta=0.5, gradient_accumulation_steps=4), "gradient_accumulation_steps"),
-        (dict(fused_lm_head=True, cast_lm_head_to_fp32=True), "cast_lm_head_to_fp32"),
     ],
 )
 def test_refused_at_construction(tmp_path, options, names):
@@ -481,6 +480,27 @@ def test_the_fused_lm_head_trains_a_lora_model_as_the_logits_path(tmp_path, tok)
         assert (trained[True][name] - step).abs().max() <= 1e-4 * step.abs().max(), name
     with pytest.raises(ValueError, match=r"^fused_lm_head=True needs a torch.nn.Linear output layer, got Modu"):
         lora(True, modules_to_save=["lm_head"])  # the output layer trained whole, in PEFT's wrapper
+
+
+def test_the_fused_lm_head_with_an_fp32_head_trains_as_the_logits_path(tmp_path, tok):
+    """``cast_lm_head_to_fp32`` with ``fused_lm_head`` (refused before) on a bf16 model with tied embeddings: TRL's
+    fp32 output layer (its own forward, kept) and the kernel in fp32 make the logits path's update."""
+    trained = {}
+    for fused in (False, True):
+        cfg = LoptiGRPOConfig(**settings(tmp_path / str(fused), ar_alpha=0.3, lopti_eta=0.5, max_steps=2,
+                                         fused_lm_head=fused, cast_lm_head_to_fp32=True))  # fmt: skip
+        trainer = LoptiGRPOTrainer(model=tiny_model(tok).to(torch.bfloat16), reward_funcs=[distinct_words], args=cfg,
+                                   train_dataset=kk_dataset(), processing_class=tok)  # fmt: skip
+        head = trainer.model.get_output_embeddings()
+        assert head.weight.dtype == torch.float32 and "forward" in head.__dict__  # TRL's cast, its forward
+        initial = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train()
+        assert "forward" in head.__dict__  # TRL's forward is back after our steps
+        trained[fused] = {n: p.detach().float() - initial[n] for n, p in trainer.model.named_parameters()}
+    head_step = trained[False]["model.embed_tokens.weight"]  # tied: the fp32 output layer's update
+    assert head_step.abs().max() > 0
+    for name, step in trained[False].items():
+        assert (trained[True][name] - step).abs().max() <= 1e-4 * step.abs().max(), name
 
 
 def test_a_bad_value_raises_before_the_optimizer_step_naming_where(tmp_path, tok, capsys):

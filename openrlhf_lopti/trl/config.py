@@ -141,8 +141,6 @@ def refusals(args: LoptiGRPOConfig, multimodal: bool = False) -> list:
                 f"fused_lm_head=True with {reason}: the fused lm_head computes the token-level clipped surrogate only "
                 "(this option runs TRL's loss); set fused_lm_head=False"
             )
-        if args.cast_lm_head_to_fp32:
-            out.append("fused_lm_head=True with cast_lm_head_to_fp32=True: the kernel takes the model's dtype")
     if multimodal and method:
         out.append(
             "ar_alpha / lopti_eta / lopti_quantile with a multimodal model: the rollout log-probs AR and Lopti read "

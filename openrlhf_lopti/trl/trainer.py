@@ -66,7 +66,7 @@ TRL's loss.
 
 Refused at construction with one line (``config.refusals``): an entropy mask together with Lopti, a
 ``max_steps`` that cuts a round, AR or Lopti with a multimodal model, and ``fused_lm_head`` with an option that
-runs TRL's loss / with ``cast_lm_head_to_fp32`` (or an output layer it cannot fuse: a LoRA one); ``lopti_eta`` with
+runs TRL's loss (or an output layer it cannot fuse); ``lopti_eta`` with
 ``lopti_quantile`` (``algo.lopti_settings``). A reward function that returns NaN or inf fails the generation in
 one line naming it (``reward_check``). On TRL's loss path with AR and Lopti off, this is TRL's trainer unchanged
 but for that check.
@@ -486,8 +486,8 @@ class LoptiGRPOTrainer(GRPOTrainer):
         held = {}
 
         def on_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
-            # the kernel in the weight's dtype, as on the logits path's kernel: outside TRL's autocast, which may
-            # hand the layer the backbone's output in another dtype
+            # the kernel in the weight's dtype (fp32 with TRL's cast_lm_head_to_fp32), outside TRL's autocast, which
+            # may hand the layer the backbone's output in another dtype: as the logits path's output layer
             with torch.autocast(hidden.device.type, enabled=False):
                 rows = hidden[positions].to(weight.dtype)  # [N, H]
                 out = fused_linear_policy_loss(rows, weight, *per_token, bias=bias, **options)
