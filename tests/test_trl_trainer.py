@@ -435,6 +435,36 @@ def test_the_logits_path_makes_no_vocab_wide_buffer_but_the_models_logits(tmp_pa
     assert [math.prod(shape) for _, shape in wide] == [b * (t + 1) * v], wide
 
 
+def test_a_step_makes_no_more_weight_sized_tensors_than_trls(tmp_path, tok):
+    """Per micro-step (generation, old log-probs, loss, backward, optimizer), ours makes as many ``[V, H]`` tensors
+    in new memory as TRL's ``GRPOTrainer`` (the tied weight's gradients and their sum), on the logits path and with
+    the fused lm_head: the CPU peak's excess over TRL's is not another copy of the output layer (benchmarks/RESULTS.md)."""
+    v, h = len(tok), 48  # a width no other tensor of the step has next to V: [V, H] is the weight's shape
+
+    def weight_sized(cls, config) -> list:
+        trainer = cls(model=build_tiny_llama(tok, hidden_size=h, num_layers=1, num_heads=2, seed=0),
+                      reward_funcs=[distinct_words], args=config, train_dataset=kk_dataset(), processing_class=tok)  # fmt: skip
+        assert trainer.model.get_output_embeddings().weight.shape == (v, h)
+        step, counts = trainer.training_step, []
+
+        def counted(*args, **kwargs):
+            with NewTensors() as seen:
+                out = step(*args, **kwargs)
+            counts.append(sum(shape in ((v, h), (h, v)) for shape in seen.shapes))
+            return out
+
+        trainer.training_step = counted
+        trainer.train()
+        return counts
+
+    base = settings(tmp_path, optim="adamw_torch")
+    theirs = weight_sized(GRPOTrainer, GRPOConfig(**{k: x for k, x in base.items() if k != "loss_backend"}))
+    assert len(theirs) == 2 and min(theirs) > 0
+    for fused_lm_head in (False, True):
+        config = LoptiGRPOConfig(**{**base, "loss_backend": "cpp"}, fused_lm_head=fused_lm_head)
+        assert weight_sized(LoptiGRPOTrainer, config) == theirs, fused_lm_head
+
+
 def test_the_fused_lm_head_makes_no_logits_inside_the_models_forward(tmp_path, tok):
     """With ``fused_lm_head`` the micro-step calls the model as TRL does (its output layer runs the loss): no tensor
     as wide as the vocabulary has more rows than the phase's trained tokens, so the model's ``[B, T + 1, V]`` logits
