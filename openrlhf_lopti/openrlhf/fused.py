@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from openrlhf_lopti.models import lm_head_parts, output_layer_runs  # noqa: F401 - the trainer checks the layer with it too
+from openrlhf_lopti.models import lm_head_parts, output_layer_runs  # noqa: F401 - lm_head_parts: for the trainer
 from openrlhf_lopti.ops import fused_policy_loss, linear_log_probs
 
 
@@ -73,9 +73,9 @@ def head_to_kernels(
     ``on_hidden(hidden [..., H], weight [V, H], bias)`` (:func:`~openrlhf_lopti.models.output_layer_runs`), which
     returns a ``[..., k]`` tensor of per-position values in place of the logits (so the ``[N, V]`` logits are never
     made); it comes back as ``found["columns"]``. Flowing out of the layer, those values carry DeepSpeed's hooks:
-    under ZeRO-3 the weight is gathered for the backward too and its gradient reaches the partitioned parameter. Either way ``output.logits`` is then
-    replaced by an empty ``[..., 0]`` tensor, on which ``Actor.forward``'s fp32 upcast and temperature divide
-    cost nothing.
+    under ZeRO-3 the weight is gathered for the backward too and its gradient reaches the partitioned parameter.
+    Either way ``output.logits`` is then replaced by an empty ``[..., 0]`` tensor, on which ``Actor.forward``'s fp32
+    upcast and temperature divide cost nothing.
     """
     found: dict = {}
 

@@ -55,8 +55,9 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   where every token's weight is known up front (``_loss_type_weights``; the Triton and C++ kernels then write the
   gradient over the logits), not with ``top_entropy_quantile`` or a KL kept apart from the surrogate;
   ``fused_lm_head`` has the model's output layer run ``fused_linear_policy_loss`` on its input rows instead,
-  inside TRL's wrapped model's forward (DDP / FSDP / DeepSpeed), so no logits exist. KL is TRL's k3 (clamped to [-10, 10] like OpenRLHF's, as our kernels do); the log
-  ratio is clamped to +-20 before ``exp``; a MoE model's router aux loss is added as TRL adds it. TRL's metrics
+  inside TRL's wrapped model's forward (DDP / FSDP / DeepSpeed), so no logits exist. KL is TRL's k3 (clamped to
+  [-10, 10] like OpenRLHF's, as our kernels do); the log ratio is clamped to +-20 before ``exp``; a MoE model's
+  router aux loss is added as TRL adds it. TRL's metrics
   keep their names (``entropy``, ``kl``, ``clip_ratio/*``, ``entropy_coef``, ``aux_loss``). TRL's loss (every
   other option, or ``fused_loss=False``): TRL's own ``_compute_loss``, with AR's weights and the Lopti phase
   (``_trl_compute_loss``), untouched with both off.
@@ -66,8 +67,8 @@ TRL's loss.
 
 Refused at construction with one line (``config.refusals``): an entropy mask together with Lopti, a
 ``max_steps`` that cuts a round, AR or Lopti with a multimodal model, and ``fused_lm_head`` with an option that
-runs TRL's loss (or an output layer it cannot fuse); ``lopti_eta`` with
-``lopti_quantile`` (``algo.lopti_settings``). A reward function that returns NaN or inf fails the generation in
+runs TRL's loss (or an output layer it cannot fuse); ``lopti_eta`` with ``lopti_quantile``
+(``algo.lopti_settings``). A reward function that returns NaN or inf fails the generation in
 one line naming it (``reward_check``). On TRL's loss path with AR and Lopti off, this is TRL's trainer unchanged
 but for that check.
 """
@@ -560,7 +561,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
             if entropy_bonus:  # TRL's bonus: the mean entropy over every response token, per micro-step
                 options["entropy_weights"] = layout.to_kernel(rows * (-self.entropy_coef / keep.sum().clamp(min=1)
                                                                       / normalizer))  # fmt: skip
-            if not self.args.fused_lm_head:  # their buffer takes their gradient (one [N, V] less): the model's output, unshared
+            if not self.args.fused_lm_head:  # the logits' buffer takes their gradient (one [N, V] less): unshared
                 options["grad_in_logits"] = True
         per_token = [layout.to_kernel(x) for x in (inputs["completion_ids"], old, advantages)] + [layout.mask]
         kernel_out, aux_loss = self._loss_head(model, inputs, layout, per_token, options)
