@@ -4,9 +4,9 @@ Trains one Lopti round (a quantile threshold, so the ranks must gather to agree)
 tests/test_trl_trainer.py, on CPU over gloo, with a checkpoint after each optimizer step, and writes ``OUT/rank<r>.pt``:
 the micro-batches the loss saw (a one-process replay of the same global batch starts from them), the logged metrics
 and the trained parameters, and those of the same round replayed through the fused lm_head. Then, in the same
-processes, two runs that must fail on every rank with one line: a resume from the mid-round checkpoint whose last process's round file is gone (a multi-node run without shared
-storage, its checkpoint copied from node 0), and a run whose reward function returns -inf for a completion of the
-last process only. tests/test_trl_processes.py reads them.
+processes, two runs that must fail on every rank with one line: a resume from the mid-round checkpoint whose last
+process's round file is gone (a multi-node run without shared storage, its checkpoint copied from node 0), and a run
+whose reward function returns -inf for a completion of the last process only. tests/test_trl_processes.py reads them.
 """
 
 import os
