@@ -180,6 +180,23 @@ def initial_params(tok, initial, build=tiny_model):
     return [p.detach() for p in model.parameters() if p.requires_grad]
 
 
+def fused_lm_head_against_the_logits_path(build) -> dict:
+    """Trains ``build(fused_lm_head)`` with False, then True; asserts that every trainable parameter makes the same
+    update (up to 1e-4 of its largest entry: fp32 sums in another order) and returns ``{fused_lm_head: {name:
+    update (fp32)}}``."""
+    steps = {}
+    for fused in (False, True):
+        trainer = build(fused)
+        params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+        initial = {n: p.detach().float().clone() for n, p in params.items()}
+        trainer.train()
+        steps[fused] = {n: p.detach().float() - initial[n] for n, p in params.items()}
+    assert steps[True].keys() == steps[False].keys()
+    for name, step in steps[False].items():
+        assert (steps[True][name] - step).abs().max() <= 1e-4 * step.abs().max(), name
+    return steps
+
+
 @pytest.mark.parametrize(
     "loss_type, fused_lm_head, iterations, backend",
     [("dapo", False, 1, "torch"), ("grpo", True, 1, "torch"), ("bnpo", False, 1, "torch"),
@@ -498,16 +515,10 @@ def test_the_fused_lm_head_trains_a_lora_model_as_the_logits_path(tmp_path, tok)
         return LoptiGRPOTrainer(model=tiny_model(tok), reward_funcs=[distinct_words], args=cfg,
                                 train_dataset=kk_dataset(), processing_class=tok, peft_config=peft)  # fmt: skip
 
-    trained = {}
-    for fused in (False, True):
-        trainer = lora(fused)
-        initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-        trainer.train()
-        trained[fused] = {n: p.detach() - initial[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
-    assert trained[True].keys() == trained[False].keys() and all("lora_" in n for n in trained[True])
+    trained = fused_lm_head_against_the_logits_path(lora)
+    assert all("lora_" in n for n in trained[True])
     for name, step in trained[False].items():
         assert step.abs().max() > 0, name
-        assert (trained[True][name] - step).abs().max() <= 1e-4 * step.abs().max(), name
     with pytest.raises(ValueError, match=r"^fused_lm_head=True needs a torch.nn.Linear output layer, got Modu"):
         lora(True, modules_to_save=["lm_head"])  # the output layer trained whole, in PEFT's wrapper
 
@@ -515,22 +526,21 @@ def test_the_fused_lm_head_trains_a_lora_model_as_the_logits_path(tmp_path, tok)
 def test_the_fused_lm_head_with_an_fp32_head_trains_as_the_logits_path(tmp_path, tok):
     """``cast_lm_head_to_fp32`` with ``fused_lm_head`` (refused before) on a bf16 model with tied embeddings: TRL's
     fp32 output layer (its own forward, kept) and the kernel in fp32 make the logits path's update."""
-    trained = {}
-    for fused in (False, True):
+    heads = []
+
+    def fp32_head(fused: bool) -> LoptiGRPOTrainer:
         cfg = LoptiGRPOConfig(**settings(tmp_path / str(fused), ar_alpha=0.3, lopti_eta=0.5, max_steps=2,
                                          fused_lm_head=fused, cast_lm_head_to_fp32=True))  # fmt: skip
         trainer = LoptiGRPOTrainer(model=tiny_model(tok).to(torch.bfloat16), reward_funcs=[distinct_words], args=cfg,
                                    train_dataset=kk_dataset(), processing_class=tok)  # fmt: skip
-        head = trainer.model.get_output_embeddings()
-        assert head.weight.dtype == torch.float32 and "forward" in head.__dict__  # TRL's cast, its forward
-        initial = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
-        trainer.train()
-        assert "forward" in head.__dict__  # TRL's forward is back after our steps
-        trained[fused] = {n: p.detach().float() - initial[n] for n, p in trainer.model.named_parameters()}
+        heads.append(trainer.model.get_output_embeddings())
+        assert heads[-1].weight.dtype == torch.float32 and "forward" in heads[-1].__dict__  # TRL's cast, its forward
+        return trainer
+
+    trained = fused_lm_head_against_the_logits_path(fp32_head)
+    assert all("forward" in head.__dict__ for head in heads)  # TRL's forward is back after our steps
     head_step = trained[False]["model.embed_tokens.weight"]  # tied: the fp32 output layer's update
     assert head_step.abs().max() > 0
-    for name, step in trained[False].items():
-        assert (trained[True][name] - step).abs().max() <= 1e-4 * step.abs().max(), name
 
 
 def test_a_bad_value_raises_before_the_optimizer_step_naming_where(tmp_path, tok, capsys):
