@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -94,7 +95,25 @@ def submit(env: dict, ray_temp_dir: Path) -> str:
 
 
 @pytest.fixture
-def cluster(tmp_path):
+def ray_default_agent_port_taken():
+    """Ray's default dashboard-agent port (52365) held for the test, as another local Ray holds it in CI: ``make
+    test`` runs tests/verl beside the main track, and each of verl's local clusters binds that port on the machine's
+    address and on 127.0.0.1. The head's agent lost it once (its HTTP service off, ``ray job submit`` answered "No
+    available agent" for 3 minutes); so each node of this cluster gets a free agent port. Nothing to do when
+    another process holds the port already."""
+    from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", DEFAULT_DASHBOARD_AGENT_LISTEN_PORT))
+            sock.listen()
+        except OSError:
+            pass
+        yield
+
+
+@pytest.fixture
+def cluster(tmp_path, ray_default_agent_port_taken):
     """Head and worker started by the script; every process of this cluster is killed after the test."""
     bin_dir = str(Path(sys.executable).parent)
     env = dict(
@@ -110,7 +129,8 @@ def cluster(tmp_path):
     procs = []
     try:
         for role, nodes in (("head", 1), ("worker", 2)):
-            extra = ["--block", "--num-cpus", "3"] + ([f"--temp-dir={short}"] if role == "head" else [])
+            extra = ["--block", "--num-cpus", "3", f"--dashboard-agent-listen-port={free_port()}"]
+            extra += [f"--temp-dir={short}"] if role == "head" else []
             log = open(tmp_path / f"{role}.log", "w")
             procs.append(
                 subprocess.Popen(["bash", str(SCRIPT), role, *extra], env=env, start_new_session=True, stdout=log,
