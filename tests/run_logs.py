@@ -38,9 +38,9 @@ def _text(source: Union[str, Path]) -> Optional[str]:
     return source
 
 
-# What Ray puts before the lines it forwards from an actor or a worker: "(ActorName pid=123, ip=10.0.0.1) ", maybe
-# in color.
-RAY_PREFIX = re.compile(r"^(\x1b\[[\d;]*m)?\([^()]*\bpid=\d+[^()]*\)(\x1b\[[\d;]*m)? ?")
+# What a launcher puts before a process's lines: Ray's "(ActorName pid=123, ip=10.0.0.1) " on the lines it forwards
+# from an actor or a worker, maybe in color; torchrun's "[rank1]: " on a rank's uncaught exception.
+PROCESS_PREFIX = re.compile(r"^((\x1b\[[\d;]*m)?\([^()]*\bpid=\d+[^()]*\)(\x1b\[[\d;]*m)? ?)?(\[rank\d+\]: ?)?")
 
 
 # The line that ends a traceback: ``ValueError: ...``, ``ray.exceptions.RayTaskError(ValueError): ...``, ``KeyError``.
@@ -49,7 +49,7 @@ CHAIN_LINE = ("Traceback (most recent call last)", "During handling of the above
 
 
 def _bare(line: str) -> str:
-    return RAY_PREFIX.sub("", line)
+    return PROCESS_PREFIX.sub("", line)
 
 
 def _continues(line: str) -> bool:

@@ -49,6 +49,29 @@ def test_plain_error_lines_and_none():
         assert first_error_in(quiet) is None
 
 
+# torchrun's stderr when a rank raised (the frames of tests/trl_ranks.py's first DeepSpeed run, shortened)
+TORCHRUN_OUTPUT = """\
+  0%|          | 0/2 [00:00<?, ?it/s]/venv/torch/utils/data/dataloader.py:759: UserWarning: 'pin_memory' is set
+  super().__init__(loader)
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "tests/trl_ranks.py", line 190, in <module>
+""" + "".join(f'[rank1]:   File "f{i}.py", line {i}, in g\n[rank1]:     g()\n' for i in range(40)) + """\
+[rank1]: AttributeError: 'DeepSpeedZeroOptimizer' object has no attribute 'register_step_pre_hook'
+[rank0]: Traceback (most recent call last):
+[rank0]: AttributeError: 'DeepSpeedZeroOptimizer' object has no attribute 'register_step_pre_hook'
+E1128 10:10:26.944000 20376 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0
+"""
+
+
+def test_a_ranks_traceback_under_torchrun_ends_at_its_exception_line():
+    """torchrun puts ``[rankN]: `` before each line of a rank's traceback (before: the excerpt ended at a frame)."""
+    _, excerpt = first_error_in(TORCHRUN_OUTPUT)
+    lines = excerpt.splitlines()
+    assert lines[2] == "[rank1]: Traceback (most recent call last):" and "lines of frames ..." in lines[3]
+    assert lines[-1] == "[rank1]: AttributeError: 'DeepSpeedZeroOptimizer' object has no attribute " \
+                        "'register_step_pre_hook'"  # fmt: skip
+
+
 def test_sources_are_labelled_files_are_read_and_the_report_has_the_tail(tmp_path):
     log = tmp_path / "worker.err"
     log.write_text("start\nValueError: bad value\n")

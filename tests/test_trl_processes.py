@@ -12,6 +12,11 @@ global batch (both ranks' micro-batches, with their rollout log-probs and advant
   their first collective);
 - a reward function that returns -inf for a completion of the last process only fails the generation on every
   process with the same line.
+
+Under DeepSpeed ZeRO-2 and ZeRO-3 (a second and third launch, gloo, DeepSpeed's CPU accelerator): the same round
+makes one process's update, the fused lm_head the logits path's; with AR and Lopti off our trainer makes TRL's own
+GRPOTrainer's update under the same stage; a NaN advantage on the last process stops every process at the first
+step with no weight moved.
 """
 
 import os
@@ -27,21 +32,35 @@ pytest.importorskip("trl")
 from openrlhf_lopti.algo.lopti import quantile_threshold  # noqa: E402
 
 from .ds_ranks import free_port  # noqa: E402
+from .run_logs import failure_report  # noqa: E402
 from .test_trl_trainer import tiny_model, tok  # noqa: E402, F401 (a fixture)
 from .trl_ranks import OURS, QUANTILE, build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("trl_ranks")
+def launch(out: Path, *args: str) -> list:
+    """``torchrun --nproc_per_node 2 tests/trl_ranks.py OUT [args]``; each rank's saved results."""
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), "tests/trl_ranks.py", str(out)]
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), "tests/trl_ranks.py", str(out),
+           *args]  # fmt: skip
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, failure_report(result.stderr, result.stdout)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Under DDP (accelerate's default for several CPU processes)."""
+    return launch(tmp_path_factory.mktemp("trl_ranks"))
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def zero_ranks(request, tmp_path_factory):
+    """Under DeepSpeed ZeRO-2 / ZeRO-3 (on gloo, DeepSpeed's CPU accelerator); ``stage`` added."""
+    runs = launch(tmp_path_factory.mktemp(f"trl_zero{request.param}"), str(request.param))
+    return [dict(run, stage=request.param) for run in runs]
 
 
 def logged(run: dict, key: str) -> float:
@@ -68,6 +87,11 @@ def whole_batch(ranks: list) -> dict:
 
 def test_two_processes_decide_one_round_and_make_one_processs_update(ranks, tok, tmp_path):
     assert [run["world"] for run in ranks] == [2, 2] and ranks[0]["backend"] == "gloo"
+    one_round_and_one_processs_update(ranks, tok, tmp_path)
+
+
+def one_round_and_one_processs_update(ranks: list, tok, tmp_path) -> None:
+    """The ranks decided the whole batch's threshold and phases, and made one process's update of the whole batch."""
     batch = whole_batch(ranks)
     mask = batch["completion_mask"].bool()
     probs = batch["old_per_token_logps"].float().exp()
@@ -95,18 +119,27 @@ def test_two_processes_decide_one_round_and_make_one_processs_update(ranks, tok,
     alone = {"logs": one.state.log_history}
     assert logged(alone, "lopti/threshold") == threshold
     assert {name: logged(alone, f"lopti/{name}/tokens") for name in counts} == counts
-    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))  # DDP kept them equal
-    ulp = torch.finfo(torch.float32).eps
-    for i, (ours, theirs) in enumerate(zip(one.model.parameters(), ranks[0]["params"])):
-        # the same update up to fp32 rounding (DDP sums two halves' gradients, one process one batch's): a few
-        # ulps of the parameter (seen: below 1 ulp), where a wrong normalisation would be off by the step itself
-        assert (ours.detach() - theirs).abs().max() <= 4 * ulp * theirs.abs().max(), i
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))  # kept equal
+    # the same update up to fp32 rounding (the ranks sum two halves' gradients, one process one batch's), where a
+    # wrong normalisation would be off by the step itself
+    same_update(one.model.parameters(), ranks[0]["params"])
     assert any((ours.detach() - p0).abs().max() > 0 for p0, ours in zip(initial, one.model.parameters()))
+
+
+def same_update(ours, theirs) -> None:
+    """Parameters equal up to fp32 rounding: a few ulps of each (seen: below 1 ulp)."""
+    ulp = torch.finfo(torch.float32).eps
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert (a.detach() - b).abs().max() <= 4 * ulp * b.abs().max(), i
 
 
 def test_the_fused_lm_head_under_ddp_makes_the_logits_paths_update(ranks, tok):
     """``fused_lm_head=True`` on two processes (refused before: it ran the backbone outside DDP): each rank replays
     its own batch of the round, and the update equals the logits path's, on both ranks alike."""
+    fused_lm_head_makes_the_logits_paths_update(ranks, tok)
+
+
+def fused_lm_head_makes_the_logits_paths_update(ranks: list, tok) -> None:
     initial = [p.detach() for p in tiny_model(tok).parameters()]  # the seeded model both runs started from
     for run in ranks:
         def phases(trained: list) -> list:  # each phase's token rows, in any order (TRL shuffles the batch again)
@@ -118,7 +151,7 @@ def test_the_fused_lm_head_under_ddp_makes_the_logits_paths_update(ranks, tok):
             # the same update up to fp32 rounding (another order of sums), not off by a share of it
             assert (fused - start - step).abs().max() <= 1e-4 * step.abs().max() + 1e-7, i
     assert any((p - p0).abs().max() > 0 for p, p0 in zip(ranks[0]["fused_params"], initial))
-    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["fused_params"], ranks[1]["fused_params"]))  # DDP's
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["fused_params"], ranks[1]["fused_params"]))
 
 
 def test_a_checkpoint_without_a_processs_round_fails_every_process_in_one_line(ranks):
@@ -137,3 +170,42 @@ def test_a_bad_reward_on_one_process_fails_every_process_in_one_line(ranks):
     message = messages.pop()
     assert "'last_process_only' returned -inf for completion 4 of the generation batch" in message, message
     assert "\n" not in message
+
+
+# ------------------------------------------------------------------------------------------- DeepSpeed ZeRO-2 / 3
+def test_under_zero_two_processes_decide_one_round_and_make_one_processs_update(zero_ranks, tok, tmp_path):
+    """Every trainer of the launch ran in a DeepSpeed engine of the stage asked for (accelerate counted both
+    processes), and the round made one process's update of the whole batch."""
+    assert [run["world"] for run in zero_ranks] == [2, 2]
+    stage = zero_ranks[0]["stage"]
+    assert all(run["engines"] == [("DeepSpeedEngine", stage)] * 5 for run in zero_ranks)
+    one_round_and_one_processs_update(zero_ranks, tok, tmp_path)
+
+
+def test_under_zero_the_fused_lm_head_makes_the_logits_paths_update(zero_ranks, tok):
+    """The output layer's loss runs inside DeepSpeed's forward (ZeRO-3 gathers its weight for the layer's call)."""
+    fused_lm_head_makes_the_logits_paths_update(zero_ranks, tok)
+
+
+def test_under_zero_with_ar_and_lopti_off_ours_makes_trls_update(zero_ranks, tok):
+    """With AR and Lopti off, our fused-loss path and TRL's own GRPOTrainer, each replaying the rank's batch of the
+    round under the same DeepSpeed stage, make the same update and log the same metrics."""
+    initial = [p.detach() for p in tiny_model(tok).parameters()]
+    for run in zero_ranks:
+        same_update(run["off_params"], run["trl_params"])
+        assert any((p - p0).abs().max() > 0 for p, p0 in zip(run["trl_params"], initial))
+        names = [sorted(k for h in run[logs] for k in h) for logs in ("off_logs", "trl_logs")]
+        assert names[0] == names[1]
+
+
+def test_under_zero_a_bad_value_fails_every_process_before_the_step(zero_ranks, tok):
+    """A NaN advantage on the last process: its value check is read by a pre-hook on the torch optimizer inside
+    DeepSpeed's ZeRO optimizer (before: the hook went on the ZeRO optimizer, which has none, and every run under
+    DeepSpeed failed at its first loss); every process raises at the first step, no weight has moved."""
+    first, last = (run["nan_error"] for run in zero_ranks)
+    assert first == "a loss-head call on another process found a bad input (its own error names the call and the row)"
+    assert last.startswith("advantages must be finite") and last.endswith("at optimizer step 1, Lopti phase 'low', "
+                                                                          "micro-step 1)"), last  # fmt: skip
+    initial = [p.detach() for p in tiny_model(tok).parameters()]
+    for run in zero_ranks:
+        assert all(torch.equal(p, p0) for p, p0 in zip(run["nan_params"], initial))

@@ -7,8 +7,11 @@ and the trained parameters, and those of the same round replayed through the fus
 processes, two runs that must fail on every rank with one line: a resume from the mid-round checkpoint whose last
 process's round file is gone (a multi-node run without shared storage, its checkpoint copied from node 0), and a run
 whose reward function returns -inf for a completion of the last process only. tests/test_trl_processes.py reads them.
+
+``tests/trl_ranks.py OUT STAGE``: the same round under DeepSpeed ZeRO-``STAGE`` (:func:`main_zero`).
 """
 
+import math
 import os
 import sys
 
@@ -26,9 +29,10 @@ OURS = ("lopti_phase_1", "lopti_phase_2", "lopti_tokens_1", "lopti_tokens_2", "l
 def round_settings(out: str, per_device_batch: int, **kw) -> dict:
     """One round (2 optimizer steps, one per phase, a checkpoint after each), dapo's token-mean over the global batch
     (so that DDP's mean over ranks is one process's loss on the whole batch), SGD."""
-    return settings(out, loss_type="dapo", per_device_train_batch_size=per_device_batch, num_generations=4,
-                    gradient_accumulation_steps=1, steps_per_generation=1, max_steps=2, lopti_quantile=QUANTILE,
-                    ar_alpha=0.3, shuffle_dataset=False, save_strategy="steps", save_steps=1, **kw)  # fmt: skip
+    round_ = dict(loss_type="dapo", per_device_train_batch_size=per_device_batch, num_generations=4,
+                  gradient_accumulation_steps=1, steps_per_generation=1, max_steps=2, lopti_quantile=QUANTILE,
+                  ar_alpha=0.3, shuffle_dataset=False, save_strategy="steps", save_steps=1)  # fmt: skip
+    return settings(out, **{**round_, **kw})
 
 
 class Replayed(GRPOTrainer):
@@ -51,14 +55,23 @@ class Trainer(LoptiGRPOTrainer, Replayed):
         return super()._compute_loss(model, inputs)
 
 
-def build(out: str, tok, per_device_batch: int, replay=None, reward=distinct_words, **kw) -> Trainer:
+class NaNOnTheLastProcess(Trainer):
+    """A NaN advantage in the first micro-step of the last process (the fused loss's checks find it)."""
+
+    def _compute_loss(self, model, inputs):
+        if self.accelerator.is_last_process and not self.trained:
+            inputs = dict(inputs, advantages=inputs["advantages"].clone().index_fill_(0, torch.tensor([0]), math.nan))
+        return super()._compute_loss(model, inputs)
+
+
+def build(out: str, tok, per_device_batch: int, replay=None, reward=distinct_words, cls=Trainer, **kw) -> Trainer:
     """The trainer of one rank (``replay`` None) or of the one-process replay; ``kw``: more settings."""
     cfg = LoptiGRPOConfig(**round_settings(out, per_device_batch, **kw))
     data = kk_dataset(1).to_list() * 8  # one prompt: every rank's prompt tokens line up (no left padding)
     from datasets import Dataset
 
-    trainer = Trainer(model=tiny_model(tok), reward_funcs=[reward], args=cfg,
-                      train_dataset=Dataset.from_list(data), processing_class=tok)  # fmt: skip
+    trainer = cls(model=tiny_model(tok), reward_funcs=[reward], args=cfg, train_dataset=Dataset.from_list(data),
+                  processing_class=tok)  # fmt: skip
     trainer.trained, trainer.replay = [], replay
     return trainer
 
@@ -76,6 +89,87 @@ def last_process_only(completions, **kwargs) -> list:
     """-inf for the first completion of the last process, 1.0 everywhere else."""
     last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
     return [float("-inf") if last and i == 0 else 1.0 for i in range(len(completions))]
+
+
+def zero_settings(stage: int) -> dict:
+    """Settings for DeepSpeed ZeRO-``stage`` on CPU processes. Without a GPU, accelerate gives DeepSpeed no backend
+    and counts one process (DeepSpeed's batch-size check then fails, with TRL's own trainer too), so its state is
+    made here first, on gloo, and the trainer uses it (``use_configured_state``); on GPUs a user needs none of it."""
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # PartialState initialises torch.distributed through DeepSpeed
+    PartialState(backend="gloo")
+    config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": False}, "train_batch_size": "auto",
+              "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}  # fmt: skip
+    return dict(use_cpu=False, accelerator_config={"use_configured_state": True}, deepspeed=config)
+
+
+def full_parameters(trainer) -> list:
+    """The model's parameters, whole (ZeRO-3 partitions them across the processes)."""
+    params = list(trainer.model.parameters())
+    if not trainer.is_deepspeed_enabled:
+        return [p.detach().clone() for p in params]
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
+def main_zero(out: str, stage: int) -> int:
+    """The round under DeepSpeed ZeRO-``stage``; then, on each rank's batch of it, the fused lm_head's round, AR and
+    Lopti off (ours and TRL's GRPOTrainer), and a NaN advantage on the last process."""
+    from openrlhf_lopti.demo.tiny_model import build_word_tokenizer
+
+    zero = zero_settings(stage)
+    tok = build_word_tokenizer()
+    trainer = build(out, tok, per_device_batch=4, **zero)
+    trainer.train()
+    own = {k: v for k, v in trainer.trained[0].items() if k not in OURS}
+    from accelerate.state import AcceleratorState
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    def again(out_dir: str, cls=Trainer, **kw):  # another trainer in the process, on this rank's batch of the round
+        AcceleratorState._reset_state()  # accelerate takes one DeepSpeed plugin per state
+        if issubclass(cls, LoptiGRPOTrainer):
+            return build(os.path.join(out, out_dir), tok, per_device_batch=4, replay=own, cls=cls, **zero, **kw)
+        config = round_settings(os.path.join(out, out_dir), 4, **zero, **kw)
+        for key in ("lopti_quantile", "ar_alpha", "loss_backend"):  # ours
+            config.pop(key)
+        theirs = cls(model=tiny_model(tok), reward_funcs=[distinct_words], args=GRPOConfig(**config),
+                     train_dataset=Dataset.from_list(kk_dataset(1).to_list() * 8), processing_class=tok)  # fmt: skip
+        theirs.replay = own
+        return theirs
+
+    fused = again("fused", fused_lm_head=True)
+    fused.train()
+    off = again("off", lopti_quantile=None, ar_alpha=0.0)  # AR and Lopti off: TRL's update, on the fused loss path
+    off.train()
+    trl = again("trl", cls=Replayed)
+    trl.train()
+    nan = again("nan", cls=NaNOnTheLastProcess)
+    nan_error = failure(nan.train)  # raised in DeepSpeed's step, before the weights move
+    runs = (trainer, fused, off, trl, nan)
+    engines = [(type(t.model_wrapped).__name__, t.model_wrapped.zero_optimization_stage()) for t in runs]
+    torch.save(
+        {
+            "world": trainer.accelerator.num_processes,
+            "engines": engines,
+            "trained": trainer.trained,
+            "logs": trainer.state.log_history,
+            "params": full_parameters(trainer),
+            "fused_params": full_parameters(fused),
+            "fused_trained": fused.trained,
+            "off_params": full_parameters(off),
+            "trl_params": full_parameters(trl),
+            "off_logs": off.state.log_history,
+            "trl_logs": trl.state.log_history,
+            "nan_error": nan_error,
+            "nan_params": full_parameters(nan),
+        },
+        os.path.join(out, f"rank{trainer.accelerator.process_index}.pt"),
+    )
+    return 0
 
 
 def main(out: str) -> int:
@@ -117,4 +211,4 @@ def main(out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1]) if len(sys.argv) == 2 else main_zero(sys.argv[1], int(sys.argv[2])))

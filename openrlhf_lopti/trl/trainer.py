@@ -620,7 +620,9 @@ class LoptiGRPOTrainer(GRPOTrainer):
         backend that ran is printed once."""
         if self._value_checks is None:
             self._value_checks = StepChecks()
-            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper: the torch one
+            optimizer = self.optimizer
+            while hasattr(optimizer, "optimizer"):  # accelerate's wrapper, DeepSpeed's ZeRO one: the torch one inside
+                optimizer = optimizer.optimizer
             optimizer.register_step_pre_hook(lambda *_: self._read_value_checks())
             self._print_backend = True
         return self._value_checks
