@@ -14,9 +14,9 @@ global batch (both ranks' micro-batches, with their rollout log-probs and advant
   process with the same line.
 
 Under DeepSpeed ZeRO-2 and ZeRO-3 (a second and third launch, gloo, DeepSpeed's CPU accelerator): the same round
-makes one process's update, the fused lm_head the logits path's; with AR and Lopti off our trainer makes TRL's own
-GRPOTrainer's update under the same stage; a NaN advantage on the last process stops every process at the first
-step with no weight moved.
+makes one process's update, the fused lm_head the logits path's; two rounds under a linear schedule step at DDP's
+learning rates; with AR and Lopti off our trainer makes TRL's own GRPOTrainer's update under the same stage; a NaN
+advantage on the last process stops every process at the first step with no weight moved.
 """
 
 import os
@@ -185,6 +185,15 @@ def test_under_zero_two_processes_decide_one_round_and_make_one_processs_update(
 def test_under_zero_the_fused_lm_head_makes_the_logits_paths_update(zero_ranks, tok):
     """The output layer's loss runs inside DeepSpeed's forward (ZeRO-3 gathers its weight for the layer's call)."""
     fused_lm_head_makes_the_logits_paths_update(zero_ranks, tok)
+
+
+def test_under_zero_each_phase_steps_at_the_rounds_learning_rates_as_under_ddp(zero_ranks, ranks):
+    """Two rounds under a linear schedule: DeepSpeed's engine steps the scheduler itself, and the learning rate each
+    optimizer step holds is DDP's, both phases of a round at one rate (the round's rewind held)."""
+    for run in (*ranks, *zero_ranks):
+        assert run["rates"] == ranks[0]["rates"]
+    first, second = ranks[0]["rates"][0], ranks[0]["rates"][-1]
+    assert ranks[0]["rates"] == [first, first, second, second] and second < first
 
 
 def test_under_zero_with_ar_and_lopti_off_ours_makes_trls_update(zero_ranks, tok):

@@ -35,6 +35,10 @@ def round_settings(out: str, per_device_batch: int, **kw) -> dict:
     return settings(out, **{**round_, **kw})
 
 
+# Two rounds of one optimizer step per phase under a decaying learning rate (each round's phases at one rate)
+TWO_ROUNDS = dict(lr_scheduler_type="linear", max_steps=4, save_strategy="no")
+
+
 class Replayed(GRPOTrainer):
     """Below ``LoptiGRPOTrainer`` in the MRO: with ``replay`` set, TRL's generation returns it instead of generating
     (a one-process run of the batch the ranks generated together)."""
@@ -48,10 +52,11 @@ class Replayed(GRPOTrainer):
 
 
 class Trainer(LoptiGRPOTrainer, Replayed):
-    """Records every micro-batch the loss sees."""
+    """Records every micro-batch the loss sees, and the learning rate the optimizer holds for its step."""
 
     def _compute_loss(self, model, inputs):
         self.trained.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+        self.rates.append(self.optimizer.param_groups[0]["lr"])
         return super()._compute_loss(model, inputs)
 
 
@@ -72,7 +77,7 @@ def build(out: str, tok, per_device_batch: int, replay=None, reward=distinct_wor
 
     trainer = cls(model=tiny_model(tok), reward_funcs=[reward], args=cfg, train_dataset=Dataset.from_list(data),
                   processing_class=tok)  # fmt: skip
-    trainer.trained, trainer.replay = [], replay
+    trainer.trained, trainer.rates, trainer.replay = [], [], replay
     return trainer
 
 
@@ -147,6 +152,8 @@ def main_zero(out: str, stage: int) -> int:
     off.train()
     trl = again("trl", cls=Replayed)
     trl.train()
+    schedule = again("schedule", **TWO_ROUNDS)  # DeepSpeed's engine steps the LR scheduler: the rewind must hold
+    schedule.train()
     nan = again("nan", cls=NaNOnTheLastProcess)
     nan_error = failure(nan.train)  # raised in DeepSpeed's step, before the weights move
     runs = (trainer, fused, off, trl, nan)
@@ -160,6 +167,7 @@ def main_zero(out: str, stage: int) -> int:
             "params": full_parameters(trainer),
             "fused_params": full_parameters(fused),
             "fused_trained": fused.trained,
+            "rates": schedule.rates,
             "off_params": full_parameters(off),
             "trl_params": full_parameters(trl),
             "off_logs": off.state.log_history,
@@ -190,6 +198,8 @@ def main(out: str) -> int:
     own = {k: v for k, v in trainer.trained[0].items() if k not in OURS}
     fused = build(os.path.join(out, "fused"), tok, per_device_batch=4, replay=own, fused_lm_head=True)
     fused.train()
+    schedule = build(os.path.join(out, "schedule"), tok, per_device_batch=4, replay=own, **TWO_ROUNDS)
+    schedule.train()
     resume = failure(lambda: build(out, tok, per_device_batch=4).train(resume_from_checkpoint=checkpoint))
     reward = failure(lambda: build(out, tok, per_device_batch=4, reward=last_process_only).train())
     torch.save(
@@ -201,6 +211,7 @@ def main(out: str) -> int:
             "params": [p.detach().clone() for p in trainer.model.parameters()],
             "fused_params": [p.detach().clone() for p in fused.model.parameters()],
             "fused_trained": fused.trained,
+            "rates": schedule.rates,
             "round_files": saved,
             "resume_error": resume,
             "reward_error": reward,
