@@ -15,7 +15,8 @@ global batch (both ranks' micro-batches, with their rollout log-probs and advant
 
 Under DeepSpeed ZeRO-2 and ZeRO-3 (a second and third launch, gloo, DeepSpeed's CPU accelerator): the same round
 makes one process's update, the fused lm_head the logits path's; two rounds under a linear schedule step at DDP's
-learning rates; with AR and Lopti off our trainer makes TRL's own GRPOTrainer's update under the same stage; a NaN
+learning rates; a resume from the mid-round checkpoint ends at the uninterrupted run's parameters; with AR and
+Lopti off our trainer makes TRL's own GRPOTrainer's update under the same stage; a NaN
 advantage on the last process stops every process at the first step with no weight moved.
 """
 
@@ -178,7 +179,7 @@ def test_under_zero_two_processes_decide_one_round_and_make_one_processs_update(
     processes), and the round made one process's update of the whole batch."""
     assert [run["world"] for run in zero_ranks] == [2, 2]
     stage = zero_ranks[0]["stage"]
-    assert all(run["engines"] == [("DeepSpeedEngine", stage)] * 5 for run in zero_ranks)
+    assert all(run["engines"] == [("DeepSpeedEngine", stage)] * 7 for run in zero_ranks)
     one_round_and_one_processs_update(zero_ranks, tok, tmp_path)
 
 
@@ -194,6 +195,15 @@ def test_under_zero_each_phase_steps_at_the_rounds_learning_rates_as_under_ddp(z
         assert run["rates"] == ranks[0]["rates"]
     first, second = ranks[0]["rates"][0], ranks[0]["rates"][-1]
     assert ranks[0]["rates"] == [first, first, second, second] and second < first
+
+
+def test_under_zero_a_resume_from_the_mid_round_checkpoint_ends_where_the_run_did(zero_ranks):
+    """DeepSpeed's checkpoint (each process's ZeRO partition) and the round's file restored together: the high phase
+    trains on the round's batch and ends at the uninterrupted run's parameters."""
+    for run in zero_ranks:
+        [high] = run["resumed_trained"]  # the round's second phase only, on the saved batch
+        assert high["lopti_phase"] == 1 and torch.equal(high["completion_ids"], run["trained"][1]["completion_ids"])
+        same_update(run["resumed_params"], run["params"])
 
 
 def test_under_zero_with_ar_and_lopti_off_ours_makes_trls_update(zero_ranks, tok):

@@ -122,7 +122,8 @@ def full_parameters(trainer) -> list:
 
 def main_zero(out: str, stage: int) -> int:
     """The round under DeepSpeed ZeRO-``stage``; then, on each rank's batch of it, the fused lm_head's round, AR and
-    Lopti off (ours and TRL's GRPOTrainer), and a NaN advantage on the last process."""
+    Lopti off (ours and TRL's GRPOTrainer), two rounds under a decaying schedule, a resume from the mid-round
+    checkpoint, and a NaN advantage on the last process."""
     from openrlhf_lopti.demo.tiny_model import build_word_tokenizer
 
     zero = zero_settings(stage)
@@ -154,9 +155,12 @@ def main_zero(out: str, stage: int) -> int:
     trl.train()
     schedule = again("schedule", **TWO_ROUNDS)  # DeepSpeed's engine steps the LR scheduler: the rewind must hold
     schedule.train()
+    AcceleratorState._reset_state()
+    resumed = build(out, tok, per_device_batch=4, **zero)  # from the mid-round checkpoint: DeepSpeed's and the round's
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1"))
     nan = again("nan", cls=NaNOnTheLastProcess)
     nan_error = failure(nan.train)  # raised in DeepSpeed's step, before the weights move
-    runs = (trainer, fused, off, trl, nan)
+    runs = (trainer, fused, off, trl, schedule, resumed, nan)
     engines = [(type(t.model_wrapped).__name__, t.model_wrapped.zero_optimization_stage()) for t in runs]
     torch.save(
         {
@@ -168,6 +172,8 @@ def main_zero(out: str, stage: int) -> int:
             "fused_params": full_parameters(fused),
             "fused_trained": fused.trained,
             "rates": schedule.rates,
+            "resumed_params": full_parameters(resumed),
+            "resumed_trained": resumed.trained,
             "off_params": full_parameters(off),
             "trl_params": full_parameters(trl),
             "off_logs": off.state.log_history,
