@@ -65,7 +65,9 @@ class NaNOnTheLastProcess(Trainer):
 
     def _compute_loss(self, model, inputs):
         if self.accelerator.is_last_process and not self.trained:
-            inputs = dict(inputs, advantages=inputs["advantages"].clone().index_fill_(0, torch.tensor([0]), math.nan))
+            advantages = inputs["advantages"].clone()
+            advantages[0] = math.nan
+            inputs = dict(inputs, advantages=advantages)
         return super()._compute_loss(model, inputs)
 
 
@@ -124,6 +126,10 @@ def main_zero(out: str, stage: int) -> int:
     """The round under DeepSpeed ZeRO-``stage``; then, on each rank's batch of it, the fused lm_head's round, AR and
     Lopti off (ours and TRL's GRPOTrainer), two rounds under a decaying schedule, a resume from the mid-round
     checkpoint, and a NaN advantage on the last process."""
+    from accelerate.state import AcceleratorState
+    from datasets import Dataset
+    from trl import GRPOConfig
+
     from openrlhf_lopti.demo.tiny_model import build_word_tokenizer
 
     zero = zero_settings(stage)
@@ -131,9 +137,6 @@ def main_zero(out: str, stage: int) -> int:
     trainer = build(out, tok, per_device_batch=4, **zero)
     trainer.train()
     own = {k: v for k, v in trainer.trained[0].items() if k not in OURS}
-    from accelerate.state import AcceleratorState
-    from datasets import Dataset
-    from trl import GRPOConfig
 
     def again(out_dir: str, cls=Trainer, **kw):  # another trainer in the process, on this rank's batch of the round
         AcceleratorState._reset_state()  # accelerate takes one DeepSpeed plugin per state
