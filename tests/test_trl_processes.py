@@ -217,6 +217,13 @@ def test_under_zero_with_ar_and_lopti_off_ours_makes_trls_update(zero_ranks, tok
         assert names[0] == names[1]
 
 
+def test_the_value_checks_are_read_once_per_optimizer_step_under_ddp_and_zero(ranks, zero_ranks):
+    """One read (a 4-byte all-reduce and a host sync) per optimizer step; before, twice under ZeRO: its optimizer
+    steps the torch one once per parameter group, and the hook fired at each."""
+    for run in (*ranks, *zero_ranks):
+        assert run["reads"] == [0, 1]  # the round's two optimizer steps
+
+
 def test_under_zero_a_bad_value_fails_every_process_before_the_step(zero_ranks, tok):
     """A NaN advantage on the last process: its value check is read by a pre-hook on the torch optimizer inside
     DeepSpeed's ZeRO optimizer (before: the hook went on the ZeRO optimizer, which has none, and every run under

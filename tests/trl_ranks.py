@@ -52,12 +52,17 @@ class Replayed(GRPOTrainer):
 
 
 class Trainer(LoptiGRPOTrainer, Replayed):
-    """Records every micro-batch the loss sees, and the learning rate the optimizer holds for its step."""
+    """Records every micro-batch the loss sees, the learning rate the optimizer holds for its step, and the global
+    step of each read of the fused loss's value checks."""
 
     def _compute_loss(self, model, inputs):
         self.trained.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
         self.rates.append(self.optimizer.param_groups[0]["lr"])
         return super()._compute_loss(model, inputs)
+
+    def _read_value_checks(self):
+        self.reads.append(self.state.global_step)
+        return super()._read_value_checks()
 
 
 class NaNOnTheLastProcess(Trainer):
@@ -79,7 +84,7 @@ def build(out: str, tok, per_device_batch: int, replay=None, reward=distinct_wor
 
     trainer = cls(model=tiny_model(tok), reward_funcs=[reward], args=cfg, train_dataset=Dataset.from_list(data),
                   processing_class=tok)  # fmt: skip
-    trainer.trained, trainer.rates, trainer.replay = [], [], replay
+    trainer.trained, trainer.rates, trainer.reads, trainer.replay = [], [], [], replay
     return trainer
 
 
@@ -170,6 +175,7 @@ def main_zero(out: str, stage: int) -> int:
             "world": trainer.accelerator.num_processes,
             "engines": engines,
             "trained": trainer.trained,
+            "reads": trainer.reads,
             "logs": trainer.state.log_history,
             "params": full_parameters(trainer),
             "fused_params": full_parameters(fused),
@@ -216,6 +222,7 @@ def main(out: str) -> int:
             "world": world,
             "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
             "trained": trainer.trained,
+            "reads": trainer.reads,
             "logs": trainer.state.log_history,
             "params": [p.detach().clone() for p in trainer.model.parameters()],
             "fused_params": [p.detach().clone() for p in fused.model.parameters()],

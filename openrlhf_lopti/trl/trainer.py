@@ -135,6 +135,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
 
     _phase_grad_mask: Optional[torch.Tensor] = None  # [B, T] bool while TRL's loss runs in a Lopti phase
     _value_checks: Optional[StepChecks] = None  # the fused loss's value checks, read before each optimizer step
+    _value_checks_read_at: Optional[int] = None  # the global step they were last read at
     _print_backend = False
 
     def __init__(self, *args_, args: Optional[LoptiGRPOConfig] = None, **kwargs):
@@ -623,9 +624,16 @@ class LoptiGRPOTrainer(GRPOTrainer):
             optimizer = self.optimizer
             while hasattr(optimizer, "optimizer"):  # accelerate's wrapper, DeepSpeed's ZeRO one: the torch one inside
                 optimizer = optimizer.optimizer
-            optimizer.register_step_pre_hook(lambda *_: self._read_value_checks())
+            optimizer.register_step_pre_hook(lambda *_: self._read_value_checks_once_per_step())
             self._print_backend = True
         return self._value_checks
+
+    def _read_value_checks_once_per_step(self) -> None:
+        """DeepSpeed's ZeRO optimizer steps the torch optimizer once per parameter group: the checks are read at its
+        first call of an optimizer step (TRL's global step, the same on every process)."""
+        if self._value_checks_read_at != self.state.global_step:
+            self._value_checks_read_at = self.state.global_step
+            self._read_value_checks()
 
     def _read_value_checks(self) -> None:
         """Raise, before the optimizer step and on every process, if a fused call since the last step found a bad
