@@ -98,6 +98,30 @@ def declare_mesh(strategy, shape: tuple) -> None:
     strategy.setup_distributed = setup_then_declare
 
 
+def stale_gathers(module: torch.nn.Module, trials: int) -> int:
+    """How many of ``trials`` blocking ZeRO-3 gathers of every parameter of ``module`` let a parameter be read before
+    its values arrived.
+
+    Each trial writes the trial's number into every rank's partition, gathers all parameters with
+    ``GatheredParameters`` (DeepSpeed's blocking gather, the one its optimizer step runs for persistent parameters)
+    and reads them back at once: a parameter still holding the previous trial's values or uninitialized memory is a
+    stale read. DeepSpeed 0.19.6 waits only for the last of the per-parameter gathers it launches; NCCL runs them
+    in order on one stream, gloo on several threads in any order (deepspeedai/DeepSpeed#8539, fixed in 0.19.8).
+    """
+    import deepspeed
+
+    params = sorted(module.parameters(), key=lambda p: p.ds_id)
+    assert len(params) > 1 and all(hasattr(p, "ds_tensor") and p.ds_tensor.numel() for p in params)  # ZeRO-3's
+    stale = 0
+    with torch.no_grad():
+        for trial in range(trials):
+            for p in params:
+                p.ds_tensor.fill_(float(trial))
+            with deepspeed.zero.GatheredParameters(params):
+                stale += any(bool((p.data != float(trial)).any()) for p in params)
+    return stale
+
+
 def _rank_main(rank: int, world: int, port: int, config: dict, out_dir: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
@@ -130,6 +154,8 @@ def _rank_main(rank: int, world: int, port: int, config: dict, out_dir: str) -> 
                 return [float(p.detach().double().sum()) for p in params]
 
         result["initial_params"] = param_sums()
+        if config.get("gather_trials"):
+            result["stale_gathers"] = stale_gathers(engine.module, config["gather_trials"])
 
         def recorded_step(*a, _step=engine.step, **k):
             result["engine_steps"].append(
@@ -176,11 +202,12 @@ def run_ranks(tmp_path: Path, world: int, config: dict, timeout: float = 600) ->
     ``kl_in_reward``, optional ``samples_per_rank``, ``low_p_per_rank``, ``poison=[rank, step]``: a NaN advantage,
     or with ``poison_logits`` a NaN row of the output layer, on that rank before that step; ``data_rank_per_rank``:
     whose synthetic experience each rank gets (default its own), with ``mesh`` ``[dp, sp, tp]``: the device mesh
-    the strategy declares, see :func:`declare_mesh`).
+    the strategy declares, see :func:`declare_mesh`; ``gather_trials``: count :func:`stale_gathers` before training).
 
     Returns:
         One dict per rank: ``initial_params``, ``steps`` (per ``fit``: numeric status, scheduler lr, Lopti threshold,
-        DeepSpeed's optimizer-step count, ``params``: the sum of each parameter's values), ``engine_steps`` (per ``engine.step()`` call: phase, boundary) and ``error``
+        DeepSpeed's optimizer-step count, ``params``: the sum of each parameter's values), ``engine_steps`` (per
+        ``engine.step()`` call: phase, boundary), ``stale_gathers`` (with ``gather_trials``) and ``error``
         (the exception text) if the rank raised. A rank still running after ``timeout`` seconds is killed and
         reported with ``error = "timeout"``: a hang (a one-step run of 2 ranks takes ~1 min idle, ~3 min beside
         busy processes).

@@ -106,12 +106,16 @@ def last_process_only(completions, **kwargs) -> list:
 def zero_settings(stage: int) -> dict:
     """Settings for DeepSpeed ZeRO-``stage`` on CPU processes. Without a GPU, accelerate gives DeepSpeed no backend
     and counts one process (DeepSpeed's batch-size check then fails, with TRL's own trainer too), so its state is
-    made here first, on gloo, and the trainer uses it (``use_configured_state``); on GPUs a user needs none of it."""
+    made here first, on gloo, and the trainer uses it (``use_configured_state``); on GPUs a user needs none of it,
+    nor ``stage3_allgather_sequential`` (NCCL runs the gathers in order)."""
     from accelerate import PartialState
 
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # PartialState initialises torch.distributed through DeepSpeed
     PartialState(backend="gloo")
-    config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": False}, "train_batch_size": "auto",
+    # stage3_allgather_sequential: on gloo, DeepSpeed 0.19.6's blocking ZeRO-3 gather can let a parameter be read
+    # before it arrives (openrlhf_lopti/openrlhf/cpu/strategy.py, _gathers_wait_on_gloo)
+    zero = {"stage": stage, "stage3_allgather_sequential": True}
+    config = {"zero_optimization": zero, "bf16": {"enabled": False}, "train_batch_size": "auto",
               "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}  # fmt: skip
     return dict(use_cpu=False, accelerator_config={"use_configured_state": True}, deepspeed=config)
 

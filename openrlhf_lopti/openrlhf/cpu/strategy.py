@@ -10,6 +10,8 @@ It changes only what upstream binds to CUDA, each in one method:
   weight sync to the vLLM engines a gloo group instead of vLLM's NCCL one (:mod:`.sync`);
 - ``get_ds_train_config``: DeepSpeed builds ``torch.optim.AdamW`` (``torch_adam``) instead of its CUDA
   ``FusedAdam``;
+- ``get_ds_train_config`` and ``get_ds_eval_config``: ZeRO-3 gathers parameters one collective at a time
+  (``stage3_allgather_sequential``; see :func:`_gathers_wait_on_gloo`);
 - ``moving_average`` (``--train.enable_ema``): upstream's, on ``"cpu"`` where the trainer asks for ``"cuda"``.
 
 The device DeepSpeed puts tensors on comes from its accelerator: the ``--cpu`` runtime sets
@@ -76,6 +78,20 @@ def _cuda_bindings_on_cpu() -> Iterator[None]:
         torch.cuda.set_device, deepspeed.init_distributed, upstream_strategy_module.init_device_mesh = saved
 
 
+def _gathers_wait_on_gloo(config: dict) -> dict:
+    """``config`` with ZeRO-3's blocking parameter gathers made one collective each (``stage3_allgather_sequential``).
+
+    DeepSpeed 0.19.6 (OpenRLHF 0.11.2's pin) gathers a list of parameters as one async collective per parameter
+    and waits for the last only. NCCL runs them in order on one stream; gloo runs them on several threads in any
+    order, so a parameter could be read before its values arrived: uninitialized memory in the forward after each
+    optimizer step (the persistent parameters' gather), or in a ``GatheredParameters`` read. Fixed upstream in
+    0.19.8 (https://github.com/deepspeedai/DeepSpeed/pull/8539); ``tests/test_openrlhf_deepspeed.py`` counts the
+    stale reads. Sequential gathers wait for each collective. The setting only matters under ZeRO-3.
+    """
+    config["zero_optimization"] = {**config["zero_optimization"], "stage3_allgather_sequential": True}
+    return config
+
+
 class CPUDeepspeedStrategy(DeepspeedStrategy):
     """Upstream's strategy for ``--cpu`` runs (see the module docstring for what differs)."""
 
@@ -86,11 +102,14 @@ class CPUDeepspeedStrategy(DeepspeedStrategy):
             super().setup_distributed(timeout)
 
     def get_ds_train_config(self, optim_dict: Optional[dict] = None, *, max_norm: Optional[float] = None) -> dict:
-        config = super().get_ds_train_config(optim_dict, max_norm=max_norm)
+        config = _gathers_wait_on_gloo(super().get_ds_train_config(optim_dict, max_norm=max_norm))
         optimizer = config.get("optimizer")
         if optimizer is not None and optimizer.get("type") == "AdamW":
             optimizer["params"] = {**optimizer["params"], "torch_adam": True}
         return config
+
+    def get_ds_eval_config(self, offload: bool = False) -> dict:
+        return _gathers_wait_on_gloo(super().get_ds_eval_config(offload))
 
     def moving_average(self, model, model_ema, beta: float = 0.992, device: str = "cpu") -> None:
         super().moving_average(model, model_ema, beta, device="cpu")
