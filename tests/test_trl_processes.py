@@ -13,11 +13,13 @@ global batch (both ranks' micro-batches, with their rollout log-probs and advant
 - a reward function that returns -inf for a completion of the last process only fails the generation on every
   process with the same line.
 
-Under DeepSpeed ZeRO-2 and ZeRO-3 (a second and third launch, gloo, DeepSpeed's CPU accelerator): the same round
-makes one process's update, the fused lm_head the logits path's; two rounds under a linear schedule step at DDP's
-learning rates; a resume from the mid-round checkpoint ends at the uninterrupted run's parameters; with AR and
-Lopti off our trainer makes TRL's own GRPOTrainer's update under the same stage; a NaN
-advantage on the last process stops every process at the first step with no weight moved.
+Under DeepSpeed ZeRO-2, ZeRO-3 (gloo, DeepSpeed's CPU accelerator) and FSDP2 (gloo, torch's ``fully_shard``; see
+``trl_ranks.fsdp2_settings`` for what its CPU stand-in cannot show), one launch each: the same round makes one
+process's update, the fused lm_head the logits path's; two rounds under a linear schedule step at DDP's learning
+rates; a resume from the mid-round checkpoint ends at the uninterrupted run's parameters; with AR and Lopti off our
+trainer makes TRL's own GRPOTrainer's update under the same sharding; a NaN advantage on the last process stops
+every process at the first step with no weight moved, and one in the round's second step (after the first step's
+checkpoint) before that step. (FSDP1 does not run on CPU: accelerate asks for a GPU.)
 """
 
 import os
@@ -57,11 +59,15 @@ def ranks(tmp_path_factory):
     return launch(tmp_path_factory.mktemp("trl_ranks"))
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
-def zero_ranks(request, tmp_path_factory):
-    """Under DeepSpeed ZeRO-2 / ZeRO-3 (on gloo, DeepSpeed's CPU accelerator); ``stage`` added."""
-    runs = launch(tmp_path_factory.mktemp(f"trl_zero{request.param}"), str(request.param))
-    return [dict(run, stage=request.param) for run in runs]
+# what each sharded launch's trainers ran in (tests/trl_ranks.py, ``wrapper``)
+WRAPPERS = {"zero2": ("DeepSpeedEngine", 2), "zero3": ("DeepSpeedEngine", 3), "fsdp2": ("FSDP", 2)}
+
+
+@pytest.fixture(scope="module", params=list(WRAPPERS))
+def sharded_ranks(request, tmp_path_factory):
+    """Under DeepSpeed ZeRO-2 / ZeRO-3 (on gloo, DeepSpeed's CPU accelerator) or FSDP2 (gloo); ``kind`` added."""
+    runs = launch(tmp_path_factory.mktemp(f"trl_{request.param}"), request.param)
+    return [dict(run, kind=request.param) for run in runs]
 
 
 def logged(run: dict, key: str) -> float:
@@ -173,65 +179,83 @@ def test_a_bad_reward_on_one_process_fails_every_process_in_one_line(ranks):
     assert "\n" not in message
 
 
-# ------------------------------------------------------------------------------------------- DeepSpeed ZeRO-2 / 3
-def test_under_zero_two_processes_decide_one_round_and_make_one_processs_update(zero_ranks, tok, tmp_path):
-    """Every trainer of the launch ran in a DeepSpeed engine of the stage asked for (accelerate counted both
-    processes), and the round made one process's update of the whole batch."""
-    assert [run["world"] for run in zero_ranks] == [2, 2]
-    stage = zero_ranks[0]["stage"]
-    assert all(run["engines"] == [("DeepSpeedEngine", stage)] * 7 for run in zero_ranks)
-    one_round_and_one_processs_update(zero_ranks, tok, tmp_path)
+# ------------------------------------------------------------------------------ DeepSpeed ZeRO-2 / 3 and FSDP2
+def test_sharded_two_processes_decide_one_round_and_make_one_processs_update(sharded_ranks, tok, tmp_path):
+    """Every trainer of the launch ran in the DeepSpeed engine of the stage or the FSDP version asked for
+    (accelerate counted both processes), and the round made one process's update of the whole batch."""
+    assert [run["world"] for run in sharded_ranks] == [2, 2]
+    expected = WRAPPERS[sharded_ranks[0]["kind"]]
+    assert all(run["engines"] == [expected] * 9 for run in sharded_ranks)
+    one_round_and_one_processs_update(sharded_ranks, tok, tmp_path)
 
 
-def test_under_zero_the_fused_lm_head_makes_the_logits_paths_update(zero_ranks, tok):
-    """The output layer's loss runs inside DeepSpeed's forward (ZeRO-3 gathers its weight for the layer's call)."""
-    fused_lm_head_makes_the_logits_paths_update(zero_ranks, tok)
+def test_sharded_the_fused_lm_head_makes_the_logits_paths_update(sharded_ranks, tok):
+    """The output layer's loss runs inside DeepSpeed's or FSDP's forward (ZeRO-3 and FSDP gather its weight for the
+    layer's call)."""
+    fused_lm_head_makes_the_logits_paths_update(sharded_ranks, tok)
 
 
-def test_under_zero_each_phase_steps_at_the_rounds_learning_rates_as_under_ddp(zero_ranks, ranks):
-    """Two rounds under a linear schedule: DeepSpeed's engine steps the scheduler itself, and the learning rate each
+def test_sharded_each_phase_steps_at_the_rounds_learning_rates_as_under_ddp(sharded_ranks, ranks):
+    """Two rounds under a linear schedule (DeepSpeed's engine steps the scheduler itself): the learning rate each
     optimizer step holds is DDP's, both phases of a round at one rate (the round's rewind held)."""
-    for run in (*ranks, *zero_ranks):
+    for run in (*ranks, *sharded_ranks):
         assert run["rates"] == ranks[0]["rates"]
     first, second = ranks[0]["rates"][0], ranks[0]["rates"][-1]
     assert ranks[0]["rates"] == [first, first, second, second] and second < first
 
 
-def test_under_zero_a_resume_from_the_mid_round_checkpoint_ends_where_the_run_did(zero_ranks):
-    """DeepSpeed's checkpoint (each process's ZeRO partition) and the round's file restored together: the high phase
-    trains on the round's batch and ends at the uninterrupted run's parameters."""
-    for run in zero_ranks:
+def test_sharded_a_resume_from_the_mid_round_checkpoint_ends_where_the_run_did(sharded_ranks):
+    """The engine's checkpoint (each process's ZeRO partition, or FSDP's sharded state and optimizer, under AdamW)
+    and the round's file restored together: the high phase trains on the round's batch and ends at the
+    uninterrupted run's parameters."""
+    for run in sharded_ranks:
         [high] = run["resumed_trained"]  # the round's second phase only, on the saved batch
-        assert high["lopti_phase"] == 1 and torch.equal(high["completion_ids"], run["trained"][1]["completion_ids"])
-        same_update(run["resumed_params"], run["params"])
+        assert high["lopti_phase"] == 1
+        assert torch.equal(high["completion_ids"], run["adam_trained"][1]["completion_ids"])
+        same_update(run["resumed_params"], run["adam_params"])
 
 
-def test_under_zero_with_ar_and_lopti_off_ours_makes_trls_update(zero_ranks, tok):
+def test_sharded_with_ar_and_lopti_off_ours_makes_trls_update(sharded_ranks, tok):
     """With AR and Lopti off, our fused-loss path and TRL's own GRPOTrainer, each replaying the rank's batch of the
-    round under the same DeepSpeed stage, make the same update and log the same metrics."""
+    round under the same DeepSpeed stage or FSDP, make the same update and log the same metrics."""
     initial = [p.detach() for p in tiny_model(tok).parameters()]
-    for run in zero_ranks:
+    for run in sharded_ranks:
         same_update(run["off_params"], run["trl_params"])
         assert any((p - p0).abs().max() > 0 for p, p0 in zip(run["trl_params"], initial))
         names = [sorted(k for h in run[logs] for k in h) for logs in ("off_logs", "trl_logs")]
         assert names[0] == names[1]
 
 
-def test_the_value_checks_are_read_once_per_optimizer_step_under_ddp_and_zero(ranks, zero_ranks):
+def test_the_value_checks_are_read_once_per_optimizer_step_under_ddp_zero_and_fsdp(ranks, sharded_ranks):
     """One read (a 4-byte all-reduce and a host sync) per optimizer step; before, twice under ZeRO: its optimizer
     steps the torch one once per parameter group, and the hook fired at each."""
-    for run in (*ranks, *zero_ranks):
+    for run in (*ranks, *sharded_ranks):
         assert run["reads"] == [0, 1]  # the round's two optimizer steps
 
 
-def test_under_zero_a_bad_value_fails_every_process_before_the_step(zero_ranks, tok):
-    """A NaN advantage on the last process: its value check is read by a pre-hook on the torch optimizer inside
-    DeepSpeed's ZeRO optimizer (before: the hook went on the ZeRO optimizer, which has none, and every run under
-    DeepSpeed failed at its first loss); every process raises at the first step, no weight has moved."""
-    first, last = (run["nan_error"] for run in zero_ranks)
+def test_sharded_a_bad_value_fails_every_process_before_the_step(sharded_ranks, tok):
+    """A NaN advantage on the last process: its value check is read by a pre-hook on the torch optimizer (under
+    DeepSpeed, the one inside its ZeRO optimizer; before, the hook went on the ZeRO optimizer, which has none, and
+    every run under DeepSpeed failed at its first loss); every process raises at the first step, no weight has
+    moved."""
+    first, last = (run["nan_error"] for run in sharded_ranks)
     assert first == "a loss-head call on another process found a bad input (its own error names the call and the row)"
     assert last.startswith("advantages must be finite") and last.endswith("at optimizer step 1, Lopti phase 'low', "
                                                                           "micro-step 1)"), last  # fmt: skip
     initial = [p.detach() for p in tiny_model(tok).parameters()]
-    for run in zero_ranks:
+    for run in sharded_ranks:
         assert all(torch.equal(p, p0) for p, p0 in zip(run["nan_params"], initial))
+
+
+def test_sharded_a_bad_value_in_the_rounds_second_step_fails_before_it(sharded_ranks, tok):
+    """A NaN advantage in the high phase, after the checkpoint of the round's first step: every process raises
+    before the second step, whose weights stay finite. Before, under FSDP the checkpoint's optimizer save stepped the
+    stateless optimizer (torch.distributed.checkpoint creates its state so) and that step took the global step's
+    read: the real step skipped it and moved every weight to NaN, and the error came at the next checkpoint."""
+    first, last = (run["nan_second_error"] for run in sharded_ranks)
+    assert first.startswith("a loss-head call on another process found a bad input"), first
+    assert last.startswith("advantages must be finite") and "at optimizer step 2, Lopti phase 'high'" in last, last
+    initial = [p.detach() for p in tiny_model(tok).parameters()]
+    for run in sharded_ranks:
+        assert all(p.isfinite().all() for p in run["nan_second_params"])
+        assert any(not torch.equal(p, p0) for p, p0 in zip(run["nan_second_params"], initial))  # step 1 trained

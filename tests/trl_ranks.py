@@ -8,7 +8,8 @@ processes, two runs that must fail on every rank with one line: a resume from th
 process's round file is gone (a multi-node run without shared storage, its checkpoint copied from node 0), and a run
 whose reward function returns -inf for a completion of the last process only. tests/test_trl_processes.py reads them.
 
-``tests/trl_ranks.py OUT STAGE``: the same round under DeepSpeed ZeRO-``STAGE`` (:func:`main_zero`).
+``tests/trl_ranks.py OUT KIND``: the same round under DeepSpeed ZeRO-2 / ZeRO-3 or FSDP2 (``KIND`` one of ``zero2
+zero3 fsdp2``; :func:`main_sharded`).
 """
 
 import math
@@ -66,14 +67,24 @@ class Trainer(LoptiGRPOTrainer, Replayed):
 
 
 class NaNOnTheLastProcess(Trainer):
-    """A NaN advantage in the first micro-step of the last process (the fused loss's checks find it)."""
+    """A NaN advantage in the first micro-step of Lopti phase ``phase`` (0: the round's first optimizer step, 1: its
+    second) on the last process (the fused loss's checks find it)."""
+
+    phase = 0
 
     def _compute_loss(self, model, inputs):
-        if self.accelerator.is_last_process and not self.trained:
+        if self.accelerator.is_last_process and inputs["lopti_phase"] == self.phase and not self.poisoned:
+            self.poisoned = True
             advantages = inputs["advantages"].clone()
             advantages[0] = math.nan
             inputs = dict(inputs, advantages=advantages)
         return super()._compute_loss(model, inputs)
+
+
+class NaNInTheSecondStep(NaNOnTheLastProcess):
+    """In the high phase: after a checkpoint at the first step (FSDP's saves step a stateless optimizer)."""
+
+    phase = 1
 
 
 def build(out: str, tok, per_device_batch: int, replay=None, reward=distinct_words, cls=Trainer, **kw) -> Trainer:
@@ -84,7 +95,7 @@ def build(out: str, tok, per_device_batch: int, replay=None, reward=distinct_wor
 
     trainer = cls(model=tiny_model(tok), reward_funcs=[reward], args=cfg, train_dataset=Dataset.from_list(data),
                   processing_class=tok)  # fmt: skip
-    trainer.trained, trainer.rates, trainer.reads, trainer.replay = [], [], [], replay
+    trainer.trained, trainer.rates, trainer.reads, trainer.replay, trainer.poisoned = [], [], [], replay, False
     return trainer
 
 
@@ -120,38 +131,59 @@ def zero_settings(stage: int) -> dict:
     return dict(use_cpu=False, accelerator_config={"use_configured_state": True}, deepspeed=config)
 
 
+def fsdp2_settings() -> dict:
+    """Settings for FSDP2 (full sharding) on CPU processes.
+
+    A stand-in for what only a GPU machine shows: accelerate turns its state into FSDP only from a GPU-like one
+    (``MULTI_GPU`` ...), never from ``MULTI_CPU``, so the state is made here on gloo and declared ``MULTI_GPU``; the
+    rest is real: accelerate's FSDP plugin and ``prepare`` (torch's ``fully_shard`` over gloo, every decoder layer
+    its own unit), TRL's trainer, its optimizer and checkpoints. What it cannot show: NCCL, CUDA streams, FSDP's
+    mixed precision on a GPU. (FSDP1 does not run so: accelerate's FSDP1 asks for a GPU device.)"""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState(backend="gloo")
+    state.distributed_type = DistributedType.MULTI_GPU
+    return dict(use_cpu=False, accelerator_config={"use_configured_state": True}, fsdp="full_shard",
+                fsdp_config={"fsdp_version": 2})  # fmt: skip
+
+
 def full_parameters(trainer) -> list:
-    """The model's parameters, whole (ZeRO-3 partitions them across the processes)."""
+    """The model's parameters, whole (ZeRO-3 and FSDP shard them across the processes)."""
     params = list(trainer.model.parameters())
-    if not trainer.is_deepspeed_enabled:
-        return [p.detach().clone() for p in params]
-    import deepspeed
+    if trainer.is_deepspeed_enabled:
+        import deepspeed
 
-    with deepspeed.zero.GatheredParameters(params):
-        return [p.detach().clone() for p in params]
+        with deepspeed.zero.GatheredParameters(params):
+            return [p.detach().clone() for p in params]
+    if trainer.is_fsdp_enabled:  # FSDP2: DTensor shards
+        return [p.full_tensor().detach().clone() for p in params]
+    return [p.detach().clone() for p in params]
 
 
-def main_zero(out: str, stage: int) -> int:
-    """The round under DeepSpeed ZeRO-``stage``; then, on each rank's batch of it, the fused lm_head's round, AR and
-    Lopti off (ours and TRL's GRPOTrainer), two rounds under a decaying schedule, a resume from the mid-round
-    checkpoint, and a NaN advantage on the last process."""
+def main_sharded(out: str, kind: str) -> int:
+    """The round under ``kind`` (``zero2 zero3 fsdp2``); then, on each rank's batch of it, the fused lm_head's
+    round, AR and Lopti off (ours and TRL's GRPOTrainer), two rounds under a decaying schedule, a resume from the
+    mid-round checkpoint (AdamW), and a NaN advantage on the last process in the round's first and second step."""
     from accelerate.state import AcceleratorState
     from datasets import Dataset
     from trl import GRPOConfig
 
     from openrlhf_lopti.demo.tiny_model import build_word_tokenizer
 
-    zero = zero_settings(stage)
+    def sharding() -> dict:  # again after each reset of accelerate's state (FSDP's declaration is part of it)
+        return zero_settings(int(kind[-1])) if kind.startswith("zero") else fsdp2_settings()
+
     tok = build_word_tokenizer()
-    trainer = build(out, tok, per_device_batch=4, **zero)
+    trainer = build(out, tok, per_device_batch=4, **sharding())
     trainer.train()
     own = {k: v for k, v in trainer.trained[0].items() if k not in OURS}
 
     def again(out_dir: str, cls=Trainer, **kw):  # another trainer in the process, on this rank's batch of the round
-        AcceleratorState._reset_state()  # accelerate takes one DeepSpeed plugin per state
+        AcceleratorState._reset_state()  # accelerate takes one DeepSpeed / FSDP plugin per state
         if issubclass(cls, LoptiGRPOTrainer):
-            return build(os.path.join(out, out_dir), tok, per_device_batch=4, replay=own, cls=cls, **zero, **kw)
-        config = round_settings(os.path.join(out, out_dir), 4, **zero, **kw)
+            return build(os.path.join(out, out_dir), tok, per_device_batch=4, replay=own, cls=cls, **sharding(), **kw)
+        config = round_settings(os.path.join(out, out_dir), 4, **sharding(), **kw)
         for key in ("lopti_quantile", "ar_alpha", "loss_backend"):  # ours
             config.pop(key)
         theirs = cls(model=tiny_model(tok), reward_funcs=[distinct_words], args=GRPOConfig(**config),
@@ -165,15 +197,21 @@ def main_zero(out: str, stage: int) -> int:
     off.train()
     trl = again("trl", cls=Replayed)
     trl.train()
-    schedule = again("schedule", **TWO_ROUNDS)  # DeepSpeed's engine steps the LR scheduler: the rewind must hold
+    schedule = again("schedule", **TWO_ROUNDS)  # (DeepSpeed's engine steps the LR scheduler): the rewind must hold
     schedule.train()
+    # the resume under AdamW: a stateful optimizer (torch's full-state-dict load of FSDP's optimizer fails on one
+    # without state, plain SGD: "Expected device to be set", with TRL's own trainer too)
+    adam = again("adam", optim="adamw_torch")
+    adam.train()
     AcceleratorState._reset_state()
-    resumed = build(out, tok, per_device_batch=4, **zero)  # from the mid-round checkpoint: DeepSpeed's and the round's
-    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1"))
+    resumed = build(os.path.join(out, "adam"), tok, per_device_batch=4, optim="adamw_torch", **sharding())
+    resumed.train(resume_from_checkpoint=os.path.join(out, "adam", "checkpoint-1"))  # the engine's and the round's
     nan = again("nan", cls=NaNOnTheLastProcess)
-    nan_error = failure(nan.train)  # raised in DeepSpeed's step, before the weights move
-    runs = (trainer, fused, off, trl, schedule, resumed, nan)
-    engines = [(type(t.model_wrapped).__name__, t.model_wrapped.zero_optimization_stage()) for t in runs]
+    nan_error = failure(nan.train)  # raised before the optimizer's step, before the weights move
+    nan_second = again("nan_second", cls=NaNInTheSecondStep)
+    nan_second_error = failure(nan_second.train)
+    runs = (trainer, fused, off, trl, schedule, adam, resumed, nan, nan_second)
+    engines = [wrapper(t) for t in runs]
     torch.save(
         {
             "world": trainer.accelerator.num_processes,
@@ -185,6 +223,8 @@ def main_zero(out: str, stage: int) -> int:
             "fused_params": full_parameters(fused),
             "fused_trained": fused.trained,
             "rates": schedule.rates,
+            "adam_params": full_parameters(adam),
+            "adam_trained": adam.trained,
             "resumed_params": full_parameters(resumed),
             "resumed_trained": resumed.trained,
             "off_params": full_parameters(off),
@@ -193,10 +233,23 @@ def main_zero(out: str, stage: int) -> int:
             "trl_logs": trl.state.log_history,
             "nan_error": nan_error,
             "nan_params": full_parameters(nan),
+            "nan_second_error": nan_second_error,
+            "nan_second_params": full_parameters(nan_second),
         },
         os.path.join(out, f"rank{trainer.accelerator.process_index}.pt"),
     )
     return 0
+
+
+def wrapper(trainer) -> tuple:
+    """What the model ran in: ``("DeepSpeedEngine", stage)``, ``("FSDP", 2)``, or the wrapper's class name."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if trainer.is_deepspeed_enabled:
+        return type(trainer.model_wrapped).__name__, trainer.model_wrapped.zero_optimization_stage()
+    if isinstance(trainer.model_wrapped, FSDPModule):  # torch's fully_shard
+        return "FSDP", 2
+    return type(trainer.model_wrapped).__name__, None
 
 
 def main(out: str) -> int:
@@ -242,4 +295,4 @@ def main(out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]) if len(sys.argv) == 2 else main_zero(sys.argv[1], int(sys.argv[2])))
+    sys.exit(main(sys.argv[1]) if len(sys.argv) == 2 else main_sharded(sys.argv[1], sys.argv[2]))

@@ -75,7 +75,8 @@ but for that check.
 
 import dataclasses
 import os
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 from transformers import TrainerCallback
@@ -136,6 +137,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
     _phase_grad_mask: Optional[torch.Tensor] = None  # [B, T] bool while TRL's loss runs in a Lopti phase
     _value_checks: Optional[StepChecks] = None  # the fused loss's value checks, read before each optimizer step
     _value_checks_read_at: Optional[int] = None  # the global step they were last read at
+    _optimizer_state_io = False  # saving or loading the optimizer's state: its steps there are not training steps
     _print_backend = False
 
     def __init__(self, *args_, args: Optional[LoptiGRPOConfig] = None, **kwargs):
@@ -266,10 +268,29 @@ class LoptiGRPOTrainer(GRPOTrainer):
             torch.save(round_state, self._round_file(folder))
         super()._save_checkpoint(model, trial)
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        with self._not_a_training_step():
+            super()._save_optimizer_and_scheduler(output_dir)
+
     def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
+        with self._not_a_training_step():
+            super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.args.lopti:
             self._load_round(checkpoint)
+
+    @contextmanager
+    def _not_a_training_step(self) -> Iterator[None]:
+        """While the optimizer's state is saved or loaded, its steps do not read the value checks.
+
+        FSDP's optimizer state goes through ``torch.distributed.checkpoint``, which first steps an optimizer without
+        state (plain SGD; any optimizer before its first step) with zero gradients at learning rate 0 to create it.
+        Counted as the global step's read, that step made the next real step skip its read: a bad value found in
+        it moved the weights before it raised."""
+        self._optimizer_state_io = True
+        try:
+            yield
+        finally:
+            self._optimizer_state_io = False
 
     def _load_round(self, checkpoint: str) -> None:
         """After TRL loaded ``checkpoint``'s state: a checkpoint cut mid-round gives back the round it cut.
@@ -630,7 +651,10 @@ class LoptiGRPOTrainer(GRPOTrainer):
 
     def _read_value_checks_once_per_step(self) -> None:
         """DeepSpeed's ZeRO optimizer steps the torch optimizer once per parameter group: the checks are read at its
-        first call of an optimizer step (TRL's global step, the same on every process)."""
+        first call of an optimizer step (TRL's global step, the same on every process). Steps taken while the
+        optimizer's state is saved or loaded are not training steps (:meth:`_not_a_training_step`)."""
+        if self._optimizer_state_io:
+            return
         if self._value_checks_read_at != self.state.global_step:
             self._value_checks_read_at = self.state.global_step
             self._read_value_checks()
