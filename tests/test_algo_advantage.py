@@ -59,7 +59,7 @@ def test_extreme_log_probs():
     torch.testing.assert_close(out, torch.tensor([0.7, 1.0, -0.7]))
 
 
-@pytest.mark.parametrize("alpha", [-0.01, 1.01, float("nan"), float("inf"), "0.3x", None])
+@pytest.mark.parametrize("alpha", [-0.01, 1.01, float("nan"), float("inf"), "0.3x", None, True, False])
 def test_bad_alpha(alpha):
     with pytest.raises(ValueError, match="alpha"):
         reweight_advantages(torch.ones(2), torch.zeros(2), alpha)

@@ -4,7 +4,10 @@ import torch
 
 
 def check_alpha(alpha: float) -> float:
-    """Return ``alpha`` as a float, or raise ``ValueError`` unless it is a number in [0, 1]."""
+    """Return ``alpha`` as a float, or raise ``ValueError`` unless it is a number in [0, 1] (not a bool: a config's
+    ``true`` would read as 1.0)."""
+    if isinstance(alpha, bool):
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
     try:
         value = float(alpha)
     except (TypeError, ValueError):
