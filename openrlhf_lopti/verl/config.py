@@ -83,6 +83,7 @@ class LoptiPolicyLossConfig(PolicyLossConfig):
             check_plugin(f"{POLICY_LOSS_KEY}.loss_mode=ar")
         if self.lopti is not None:
             check_plugin(f"Lopti ({POLICY_LOSS_KEY}.lopti_eta / lopti_quantile)")
+            check_lopti_worker()
 
     @property
     def lopti(self) -> Optional[LoptiSettings]:
@@ -106,6 +107,26 @@ def check_plugin(what: str) -> None:
     reason = plugin.unavailable(what)
     if reason:
         raise ConfigError(reason)
+
+
+def check_lopti_worker() -> None:
+    """Raise :class:`ConfigError` (one line) when verl's actor would train in a worker other than ours, which would
+    run Lopti's settings as one plain pass: ``ActorRolloutRefWorker.actor_worker_cls`` set to another class after
+    our plugin set it. Checked once verl has imported ``engine_workers`` (in the workers, before ``init_model``
+    builds the actor); a subclass of ``ActorRolloutRefWorker`` with its own ``actor_worker_cls`` (verl's Tinker
+    worker) is not seen here."""
+    engine_workers = sys.modules.get("verl.workers.engine_workers")
+    if engine_workers is None:
+        return
+    from .worker import LoptiTrainingWorker
+
+    chosen = engine_workers.ActorRolloutRefWorker.actor_worker_cls
+    if not issubclass(chosen, LoptiTrainingWorker):
+        raise ConfigError(
+            f"Lopti ({POLICY_LOSS_KEY}.lopti_eta / lopti_quantile) runs in openrlhf_lopti's LoptiTrainingWorker, but "
+            f"ActorRolloutRefWorker.actor_worker_cls is {chosen.__module__}.{chosen.__qualname__}: it would train one "
+            "plain pass"
+        )
 
 
 def ar_alpha_of(config) -> float:

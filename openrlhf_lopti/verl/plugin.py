@@ -12,7 +12,8 @@ module has run (or at once, when it already has):
 
 - ``verl.trainer.ppo.core_algos``: the policy loss ``ar`` (:mod:`.loss`, in verl's ``POLICY_LOSS_REGISTRY``);
 - ``verl.workers.engine_workers`` (which imports vLLM): ``ActorRolloutRefWorker.actor_worker_cls`` =
-  :class:`~.worker.LoptiTrainingWorker`, which without our keys is verl's ``TrainingWorker``.
+  :class:`~.worker.LoptiTrainingWorker`, which without our keys is verl's ``TrainingWorker``; only when it is still
+  verl's ``TrainingWorker`` (a worker another plugin or recipe chose stays, and Lopti is then refused).
 
 The CPU seam (:mod:`.cpu`) runs only with ``VERL_PLATFORM=cpu`` (the package's ``__init__``). A registration that
 fails leaves verl as it was and is logged as a warning (verl logs a plugin that fails to load at debug level only);
@@ -61,6 +62,14 @@ def _set_lopti_worker(engine_workers) -> None:
         from .worker import LoptiTrainingWorker
     except Exception as exc:  # noqa: BLE001
         _failed("the Lopti worker", exc)
+        return
+    chosen = engine_workers.ActorRolloutRefWorker.actor_worker_cls
+    if chosen is not engine_workers.TrainingWorker:  # another plugin or recipe chose it: runs without our keys are its
+        FAILED["the Lopti worker"] = (
+            f"ActorRolloutRefWorker.actor_worker_cls is {chosen.__module__}.{chosen.__qualname__} already (set by "
+            "another plugin or recipe), which ours would replace"
+        )
+        LOGGER.warning("openrlhf_lopti's verl plugin: the Lopti worker not registered (%s)", FAILED["the Lopti worker"])
         return
     engine_workers.ActorRolloutRefWorker.actor_worker_cls = LoptiTrainingWorker
 

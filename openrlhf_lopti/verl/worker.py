@@ -51,7 +51,7 @@ from verl.workers.utils.losses import ppo_loss
 
 from openrlhf_lopti.algo import LoptiRound, LoptiSettings, RoundSchedule, plan_round
 
-from .config import check_lopti_actor, round_settings
+from .config import ar_alpha_of, check_lopti_actor, round_settings
 
 # verl's loss metrics: with Lopti each phase's value is its share of the mini-batch's token mean (the denominator
 # counts every response token), so the phases' values add up to the round's loss.
@@ -91,6 +91,8 @@ class LoptiTrainingWorker(TrainingWorker):
         """verl's ``set_loss_fn``; reads AR's and Lopti's settings from the actor config inside ``loss_fn`` and
         refuses a verl setting Lopti cannot honour (one line naming the key) before any training."""
         config = loss_config(loss_fn)
+        if config is not None and config.policy_loss.get("loss_mode", None) == "ar":
+            ar_alpha_of(config)  # verl's PolicyLossConfig (no ar_alpha): refused here, not at the first update
         lopti, alpha = round_settings(config)
         if lopti is not None:
             check_lopti_actor(config, loss_is_ppo=getattr(loss_fn, "func", None) is ppo_loss)

@@ -46,6 +46,8 @@ def our_line(exc: BaseException) -> str:
         (dict(quantile=1.0), "lopti_quantile", "(0, 1) or None, got 1.0"),
         (dict(eta=0.5, quantile=0.3), "lopti_eta", f"{KEY}.lopti_quantile=0.3 are two Lopti thresholds: give one"),
         (dict(alpha=0.3, loss_mode="vanilla"), "ar_alpha", "set loss_mode=ar"),
+        (dict(alpha=True), "ar_alpha", "got True"),  # not 1.0
+        (dict(eta=True), "lopti_eta", "got True"),
     ],
 )
 def test_our_keys_fail_in_one_line_naming_the_key(overrides, key, words):
@@ -55,8 +57,52 @@ def test_our_keys_fail_in_one_line_naming_the_key(overrides, key, words):
     assert line.startswith(f"{KEY}.{key}") and words in line, line
 
 
+def test_the_ar_loss_without_our_config_is_refused_when_the_worker_gets_its_loss(tiny):
+    """``loss_mode=ar`` with verl's own PolicyLossConfig (no ``ar_alpha``): refused in ``init_model``, before any
+    rollout (before: at the first actor update, after the model load, the rollout and the reference pass)."""
+    overrides = harness.actor_overrides(tiny["path"], mini_batch=8, micro_batch=4, lr=0.1, alpha=0.3)
+    overrides = [o for o in overrides if "policy_loss._target_" not in o and "policy_loss.ar_alpha" not in o
+                 and "policy_loss.lopti" not in o]  # fmt: skip
+    with pytest.raises(Exception) as info:
+        harness.actor_worker(harness.compose(overrides))
+    line = our_line(info.value)
+    assert f"{KEY}.ar_alpha" in line and f"{KEY}._target_=openrlhf_lopti.verl.LoptiPolicyLossConfig" in line
+
+
+def test_lopti_is_refused_when_the_actor_trains_in_another_worker(monkeypatch):
+    """Another plugin or recipe set ``actor_worker_cls`` after ours: Lopti would run as one plain pass."""
+    from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+    build_actor_config(eta=0.5)  # our worker: accepted
+    monkeypatch.setattr(ActorRolloutRefWorker, "actor_worker_cls", TrainingWorker)
+    with pytest.raises(Exception) as info:
+        build_actor_config(eta=0.5)
+    line = our_line(info.value)
+    assert "actor_worker_cls is verl.workers.engine_workers.TrainingWorker" in line, line
+    build_actor_config(alpha=0.3)  # AR alone is the loss: it runs in any worker
+
+
+def test_the_plugin_keeps_a_training_worker_another_plugin_chose(monkeypatch):
+    """Loaded after a plugin that set its own ``actor_worker_cls``, ours leaves it (runs without our keys are that
+    plugin's) and our keys asking for Lopti are refused in one line naming it."""
+    from verl.workers import engine_workers
+    from verl.workers.engine_workers_tinker import TinkerTrainingWorker
+
+    from openrlhf_lopti.verl import plugin
+
+    monkeypatch.setattr(plugin, "FAILED", {})
+    monkeypatch.setattr(engine_workers.ActorRolloutRefWorker, "actor_worker_cls", TinkerTrainingWorker)
+    plugin._set_lopti_worker(engine_workers)
+    assert engine_workers.ActorRolloutRefWorker.actor_worker_cls is TinkerTrainingWorker
+    with pytest.raises(Exception) as info:
+        build_actor_config(eta=0.5)
+    line = our_line(info.value)
+    assert "the Lopti worker: ActorRolloutRefWorker.actor_worker_cls is " in line, line
+    assert "engine_workers_tinker.TinkerTrainingWorker already (set by another plugin or recipe)" in line, line
+
+
 def test_the_ar_loss_without_our_config_says_which_target_to_set():
-    """``loss_mode=ar`` with verl's own PolicyLossConfig (no ``ar_alpha``): the loss refuses on its first call."""
+    """``loss_mode=ar`` with verl's own PolicyLossConfig (no ``ar_alpha``), called directly: the loss refuses too."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
     from verl.utils.config import omega_conf_to_dataclass
 
