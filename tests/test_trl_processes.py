@@ -179,6 +179,15 @@ def test_a_bad_reward_on_one_process_fails_every_process_in_one_line(ranks):
     assert "\n" not in message
 
 
+def test_a_bad_value_in_one_processs_evaluation_fails_every_process_in_one_line(ranks):
+    """Evaluation reads the loss head's value checks at once, on every process together (before: the process that
+    found it raised alone and the others waited in their next collective)."""
+    first, last = (run["evaluation_error"] for run in ranks)
+    assert first == "a loss-head call on another process found a bad input (its own error names the call and the row)"
+    assert last.startswith("advantages must be finite") and "evaluation at optimizer step 0" in last, last
+    assert "\n" not in first + last
+
+
 # ------------------------------------------------------------------------------ DeepSpeed ZeRO-2 / 3 and FSDP2
 def test_sharded_two_processes_decide_one_round_and_make_one_processs_update(sharded_ranks, tok, tmp_path):
     """Every trainer of the launch ran in the DeepSpeed engine of the stage or the FSDP version asked for

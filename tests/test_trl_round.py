@@ -115,6 +115,17 @@ def test_track_direction_logs_the_rounds_fig3_counts(tmp_path, tok):
     assert any(k.startswith("direction/pos_up_q") for k in logged) or logged.get("direction/pos_tokens_q1") == 0
 
 
+@pytest.mark.parametrize("options", [dict(loss_type="cispo"), dict(fused_loss=False)])
+def test_track_direction_on_trls_loss_path_with_ar_and_lopti_off(tmp_path, tok, options):
+    """TRL's loss path skips the anchor on-policy; track_direction reads it after the round (before: a KeyError at
+    the end of the first step)."""
+    cfg = LoptiGRPOConfig(**settings(tmp_path, max_steps=1, track_direction=True, **options))
+    _, trainer, recorded = train(LoptiGRPOTrainer, cfg, tok)
+    assert trainer.loss_path == "trl"
+    logged = {k: v for h in trainer.state.log_history for k, v in h.items() if k.startswith("direction/")}
+    assert sum(logged[f"direction/tokens_q{q}"] for q in (1, 2, 3, 4)) > 0
+
+
 class StepLog(LoptiGRPOTrainer):
     """Records, per micro-step, ``(optimizer step, phase, learning rate)`` and the micro-batch's completions; and the
     files of each checkpoint when TRL pushes it (``push_to_hub``)."""

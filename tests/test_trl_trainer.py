@@ -116,7 +116,8 @@ def hand_round(tok, initial, recorded, cfg, dtype, denominators="all", beta=None
             out = model(input_ids=ids, attention_mask=attention, **({"output_router_logits": True} if aux_coef else {}))
             logits = out.logits[:, -t - 1 : -1].to(dtype)
             logp = torch.log_softmax(logits / cfg.temperature, -1).gather(-1, inp["completion_ids"][..., None])[..., 0]
-            old = inp["old_per_token_logps"].to(dtype)
+            # TRL's on-policy case (no stored anchor): the anchor is this forward's log-probs, detached
+            old = inp["old_per_token_logps"].to(dtype) if "old_per_token_logps" in inp else logp.detach()
             mask = inp["completion_mask"].to(dtype)
             phase = inp["lopti_phase_mask"].to(dtype) * mask if "lopti_phase_mask" in inp else mask
             adv = inp["advantages"].to(dtype)[:, None] * (alpha * old.exp() + 1 - alpha)
@@ -273,8 +274,8 @@ def test_off_equals_trl_grpo_trainer(tmp_path, tok, options):
     for a, b in zip(ours_inputs, trl_inputs):  # the same seed gave the same batch
         assert torch.equal(a["completion_ids"], b["completion_ids"])
         assert torch.equal(a["advantages"], b["advantages"]) and bool(a["advantages"].abs().max() > 0)
-        if not options:
-            assert "old_per_token_logps" not in b  # TRL's on-policy case: ours computed the anchor anyway
+        if not options:  # TRL's on-policy case: neither stores an anchor (the loss takes this forward's log-probs)
+            assert "old_per_token_logps" not in b and "old_per_token_logps" not in a
     cfg = ours.args
     p0 = initial_params(tok, ours_initial)
     ref32 = hand_round(tok, ours_initial, ours_inputs, cfg, torch.float32)
@@ -360,6 +361,8 @@ def test_kk_run_checkpoint_and_metrics(tmp_path, tok):
         (dict(fused_lm_head=True, importance_sampling_level="sequence"), "fused_lm_head=True with importance_sampling"),
         (dict(lopti_eta=0.5, top_entropy_quantile=0.2), "top_entropy_quantile=0.2 with lopti_eta / lopti_quantile"),
         (dict(lopti_eta=0.5, gradient_accumulation_steps=4), "gradient_accumulation_steps"),
+        (dict(lopti_eta=0.5, num_iterations=0), "num_iterations=0"),  # was a ZeroDivisionError
+        (dict(ar_alpha=True), "ar_alpha"),  # not 1.0
     ],
 )
 def test_refused_at_construction(tmp_path, options, names):
@@ -565,3 +568,70 @@ def test_a_bad_value_raises_before_the_optimizer_step_naming_where(tmp_path, tok
     printed = [line for line in capsys.readouterr().out.splitlines() if "fused loss ran on the" in line]
     assert printed == ["[openrlhf-lopti] TRL fused loss ran on the torch backend (one pass); value checks are read "
                        "before each optimizer step"]  # fmt: skip
+
+
+def test_args_given_by_position_as_trl_takes_them(tmp_path, tok):
+    """``LoptiGRPOTrainer(model, reward_funcs, args, train_dataset)``, TRL's positional order: the config given is
+    the one used (before: it was dropped for a default config, which failed on this machine's bf16)."""
+    cfg = LoptiGRPOConfig(**settings(tmp_path, ar_alpha=0.3))
+    trainer = LoptiGRPOTrainer(tiny_model(tok), [distinct_words], cfg, kk_dataset(), processing_class=tok)
+    assert trainer.args is cfg and trainer.args.ar_alpha == 0.3 and len(trainer.train_dataset) == len(kk_dataset())
+    with pytest.raises(TypeError, match="multiple values for argument 'args'"):
+        LoptiGRPOTrainer(tiny_model(tok), [distinct_words], cfg, args=cfg)
+
+
+class KeepsEveryPosition(torch.nn.Module):
+    """A causal LM whose forward ignores ``logits_to_keep`` (as some remote-code models do): logits of every
+    position. Wraps the tiny Llama, so that its update can be compared with the Llama's own."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+        self.warnings_issued, self.generation_config = {}, model.generation_config
+
+    def forward(self, *args, logits_to_keep=None, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.model, name)
+
+
+@pytest.mark.parametrize("fused_lm_head", [False, True])
+def test_a_model_that_ignores_logits_to_keep_trains_as_one_that_keeps_them(tmp_path, tok, fused_lm_head):
+    """Before: the kernel got every position's logits and failed on a shape mismatch (TRL's own trainer trains it)."""
+    cfg = LoptiGRPOConfig(**settings(tmp_path, ar_alpha=0.3, lopti_eta=0.5, max_steps=2, fused_lm_head=fused_lm_head))
+    _, plain, _ = train(LoptiGRPOTrainer, cfg, tok)
+    _, wrapped, _ = train(LoptiGRPOTrainer, cfg, tok, model=KeepsEveryPosition(tiny_model(tok)))
+    for (name, a), b in zip(plain.model.named_parameters(), wrapped.model.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def with_attention_dropout(tok):
+    """The tiny Llama with attention dropout 0.3 (TRL's ``disable_dropout`` is False by default, and it would not
+    reach a functional dropout anyway)."""
+    model = tiny_model(tok)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.3
+    return model
+
+
+@pytest.mark.parametrize("fused_lm_head", [False, True])
+def test_off_with_dropout_is_trls_on_policy_step(tmp_path, tok, fused_lm_head):
+    """TRL's on-policy case anchors the ratio at the same forward's log-probs (ratio 1). Before, ours computed the
+    anchor in a forward of its own: with dropout, other masks, a ratio away from 1, tokens clipped (a third of them
+    here) and another update; and that extra forward drew from the random stream TRL's next dropout masks use."""
+    ours_cfg = LoptiGRPOConfig(**settings(tmp_path / "a", fused_lm_head=fused_lm_head))
+    _, ours, _ = train(LoptiGRPOTrainer, ours_cfg, tok, model=with_attention_dropout(tok))
+    base = settings(tmp_path / "b")
+    base.pop("loss_backend")
+    initial, theirs, _ = train(GRPOTrainer, GRPOConfig(**base), tok, model=with_attention_dropout(tok))
+    p0 = initial_params(tok, initial)
+    for a, b, start in zip(trained_params(ours), trained_params(theirs), p0):
+        step = b - start
+        assert (a - b).abs().max() <= 1e-4 * step.abs().max() + 1e-7  # the same update, up to rounding
+    logs = [{k: v for k, v in h.items() if k.startswith("clip_ratio/")} for h in (ours.state.log_history[0],
+                                                                                theirs.state.log_history[0])]
+    assert logs[0] == logs[1] and logs[0]["clip_ratio/region_mean"] == 0.0

@@ -81,6 +81,17 @@ class NaNOnTheLastProcess(Trainer):
         return super()._compute_loss(model, inputs)
 
 
+class NaNInEvaluation(LoptiGRPOTrainer):
+    """A NaN advantage in the last process's evaluation batch."""
+
+    def _compute_loss(self, model, inputs):
+        if self.accelerator.is_last_process and not self.model.training:
+            advantages = inputs["advantages"].clone()
+            advantages[0] = math.nan
+            inputs = dict(inputs, advantages=advantages)
+        return super()._compute_loss(model, inputs)
+
+
 class NaNInTheSecondStep(NaNOnTheLastProcess):
     """In the high phase: after a checkpoint at the first step (FSDP's saves step a stateless optimizer)."""
 
@@ -274,6 +285,9 @@ def main(out: str) -> int:
     schedule.train()
     resume = failure(lambda: build(out, tok, per_device_batch=4).train(resume_from_checkpoint=checkpoint))
     reward = failure(lambda: build(out, tok, per_device_batch=4, reward=last_process_only).train())
+    evaluation = build(os.path.join(out, "eval"), tok, per_device_batch=4, cls=NaNInEvaluation,
+                       per_device_eval_batch_size=4)  # fmt: skip
+    evaluation_error = failure(lambda: evaluation.evaluate(eval_dataset=evaluation.train_dataset))
     torch.save(
         {
             "world": world,
@@ -288,6 +302,7 @@ def main(out: str) -> int:
             "round_files": saved,
             "resume_error": resume,
             "reward_error": reward,
+            "evaluation_error": evaluation_error,
         },
         os.path.join(out, f"rank{rank}.pt"),
     )

@@ -151,7 +151,9 @@ def refusals(args: LoptiGRPOConfig, multimodal: bool = False) -> list:
             f"top_entropy_quantile={args.top_entropy_quantile} with lopti_eta / lopti_quantile: two token selections "
             "on top of each other (Lopti's phases and TRL's entropy mask); use one"
         )
-    if args.lopti and (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps:
+    if args.lopti and args.num_iterations < 1:
+        out.append(f"num_iterations={args.num_iterations}: Lopti trains each phase num_iterations times; use 1 or more")
+    elif args.lopti and (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps:
         out.append(
             f"Lopti needs steps_per_generation x num_iterations ({args.steps_per_generation} x {args.num_iterations})"
             f" to be a multiple of gradient_accumulation_steps ({args.gradient_accumulation_steps}), so that each "

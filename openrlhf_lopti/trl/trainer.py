@@ -8,9 +8,10 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   when the batch was generated (temperature applied), computed by TRL's own ``_get_per_token_logps_and_entropies``
   under ``no_grad`` in ``_generate_and_score_completions``, before any update on the batch. TRL skips them in the
   on-policy case (``num_iterations == 1`` and the generation batch within one optimizer step) and uses the
-  current log-probs detached instead; on the fused path, and with AR or Lopti on TRL's loss path, this trainer
-  always computes them (one extra forward per generation batch in that case), because Lopti's second phase runs
-  on weights the first phase moved. With
+  current log-probs detached instead; with AR, Lopti or ``track_direction`` on, this trainer always computes them
+  (one extra forward per generation batch in that case), because Lopti's second phase runs on weights the first
+  phase moved. With all three off it does as TRL: on the fused path the kernel reads the anchor from the loss's
+  own forward first (``_own_log_probs``; a separate forward would draw other dropout masks). With
   vLLM they are still the training model's (vLLM's own are ``sampling_per_token_logps``, used by TRL's
   importance-sampling correction only). They are the PPO anchor, AR's ``p`` and Lopti's threshold variable.
 - ``ar_alpha``: the ``alpha`` of ``fused_policy_loss`` (on TRL's loss path, ``algo.reweight_advantages`` on
@@ -74,6 +75,7 @@ but for that check.
 """
 
 import dataclasses
+import inspect
 import os
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
@@ -141,6 +143,12 @@ class LoptiGRPOTrainer(GRPOTrainer):
     _print_backend = False
 
     def __init__(self, *args_, args: Optional[LoptiGRPOConfig] = None, **kwargs):
+        if len(args_) > 2:  # TRL's positional order (model, reward_funcs, args, train_dataset, ...): by name
+            names = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]
+            if args is not None and len(args_) > names.index("args"):
+                raise TypeError("LoptiGRPOTrainer got multiple values for argument 'args'")
+            kwargs.update(zip(names, args_))
+            args_, args = (), kwargs.pop("args", args)
         if args is None:  # TRL's default configuration, under TRL's default name
             model = args_[0] if args_ else kwargs.get("model")
             name = model if isinstance(model, str) else get_config_model_id(model.config)
@@ -345,11 +353,12 @@ class LoptiGRPOTrainer(GRPOTrainer):
         Adds ``lopti_phase_1`` / ``lopti_phase_2`` (``[B, T]`` bool, update order) in training with Lopti.
         """
         output = super()._generate_and_score_completions(inputs)
-        if self.loss_path == "trl" and self.args.ar_alpha == 0 and not self.args.lopti:
-            return output  # TRL's trainer, untouched
+        if self.loss_path == "trl" and self.args.ar_alpha == 0 and not self.args.lopti and not self.args.track_direction:
+            return output  # TRL's trainer, untouched (track_direction reads the anchor after the round)
         mode = "train" if self.model.training else "eval"
         mask = self._loss_mask(output).bool()
-        if output.get("old_per_token_logps") is None:
+        methods_off = self.args.ar_alpha == 0 and not self.args.lopti and not self.args.track_direction
+        if output.get("old_per_token_logps") is None and not methods_off:
             ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
             attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
             batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
@@ -485,13 +494,17 @@ class LoptiGRPOTrainer(GRPOTrainer):
             entropies = None if entropies is None else phase_gradient(entropies, self._phase_grad_mask)
         return logps, entropies, aux_loss
 
-    def _loss_head(self, model, inputs: dict, layout: "_KernelRows", per_token: list, options: dict) -> tuple:
+    def _loss_head(self, model, inputs: dict, layout: "_KernelRows", per_token: list, options: dict,
+                   on_policy: bool = False) -> tuple:
         """``(kernel_out, aux_loss)``: one forward of TRL's ``model`` (DDP / FSDP / DeepSpeed's wrapper, as TRL calls
         it) on the micro-batch, under TRL's autocast, with the loss head on the completion: ``fused_policy_loss`` on
         the model's logits (``[B * (T + 1), V]``, a view of its own ``[B, T + 1, V]`` output: a row per completion
         position and one after the last, no copy), or with ``fused_lm_head`` ``fused_linear_policy_loss`` run by the
         output layer on its ``[N, H]`` input rows (:func:`~openrlhf_lopti.models.output_layer_runs`), so no
         ``[N, V]`` logits exist. ``per_token``, ``options``: the kernel's arguments on ``layout``'s rows.
+        ``on_policy``: TRL's on-policy case (AR and Lopti off, no stored anchor): the anchor ``per_token[1]`` is
+        this forward's own log-probs, read first by a gradient-free call of the same kernel, so the ratio is 1 as
+        in TRL (a separate forward would draw other dropout masks).
         ``aux_loss``: a MoE model's router load-balancing loss of the forward (scalar), or None."""
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -501,8 +514,13 @@ class LoptiGRPOTrainer(GRPOTrainer):
         if not self.args.fused_lm_head:
             with self.accelerator.autocast():
                 out = model(**forward)
-            # no [:, :-1] slice: a slice would make the rows non-uniform and the kernel's input a copy
-            kernel_out = fused_policy_loss(out.logits.reshape(-1, out.logits.shape[-1]), *per_token, **options)
+            # no [:, :-1] slice: a slice would make the rows non-uniform and the kernel's input a copy; a model
+            # that ignores logits_to_keep returns every position: its last t + 1 (then a copy)
+            logits = out.logits if out.logits.shape[1] == t + 1 else out.logits[:, -(t + 1) :]
+            rows_v = logits.reshape(-1, logits.shape[-1])
+            if on_policy:
+                per_token[1] = _own_log_probs(fused_policy_loss, (rows_v,), per_token, options)
+            kernel_out = fused_policy_loss(rows_v, *per_token, **options)
             return kernel_out, out.aux_loss if router else None
 
         positions = torch.nn.functional.pad(layout.rows, (0, 1))  # [B, T + 1]: the trained rows among the layer's
@@ -512,7 +530,11 @@ class LoptiGRPOTrainer(GRPOTrainer):
             # the kernel in the weight's dtype (fp32 with TRL's cast_lm_head_to_fp32), outside TRL's autocast, which
             # may hand the layer the backbone's output in another dtype: as the logits path's output layer
             with torch.autocast(hidden.device.type, enabled=False):
+                hidden = hidden if hidden.shape[1] == t + 1 else hidden[:, -(t + 1) :]  # logits_to_keep ignored
                 rows = hidden[positions].to(weight.dtype)  # [N, H]
+                if on_policy:
+                    per_token[1] = _own_log_probs(fused_linear_policy_loss, (rows, weight), per_token,
+                                                  dict(options, bias=bias))  # fmt: skip
                 out = fused_linear_policy_loss(rows, weight, *per_token, bias=bias, **options)
             held["out"] = out
             # the fields with a gradient leave as the layer's output ([B, T + 1, k]), so that what the wrapper hooks
@@ -552,7 +574,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
         b, t = keep.shape
         advantages = inputs["advantages"]
         advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).expand(b, t)
-        old = inputs["old_per_token_logps"]
+        old = inputs.get("old_per_token_logps")  # None: TRL's on-policy case, the anchor is this forward's log-probs
         is_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_ratio = inputs["importance_sampling_ratio"].expand(b, t)  # [B, T]
@@ -571,7 +593,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
         loss_options = LossOptions(
             alpha=self.args.ar_alpha, eps_low=self.epsilon_low, eps_high=self.epsilon_high,
             kl_coef=0.0 if separate_kl else self.beta, kl_estimator="k3", temperature=self.temperature,
-            backend=self.args.loss_backend, check="step" if mode == "train" else "eager",
+            backend=self.args.loss_backend, check="step",
         )  # fmt: skip
         options = dict(
             ref_log_probs=None if separate_kl or ref is None else layout.to_kernel(ref), return_entropy=True,
@@ -585,8 +607,9 @@ class LoptiGRPOTrainer(GRPOTrainer):
                                                                       / normalizer))  # fmt: skip
             if not self.args.fused_lm_head:  # the logits' buffer takes their gradient (one [N, V] less): unshared
                 options["grad_in_logits"] = True
-        per_token = [layout.to_kernel(x) for x in (inputs["completion_ids"], old, advantages)] + [layout.mask]
-        kernel_out, aux_loss = self._loss_head(model, inputs, layout, per_token, options)
+        anchor = advantages.new_zeros(b, t) if old is None else old  # replaced in _loss_head when None
+        per_token = [layout.to_kernel(x) for x in (inputs["completion_ids"], anchor, advantages)] + [layout.mask]
+        kernel_out, aux_loss = self._loss_head(model, inputs, layout, per_token, options, on_policy=old is None)
         if mode == "train":  # read before the optimizer step (_read_value_checks)
             self._checks_before_the_step().add(kernel_out.status, self._micro_step_name(inputs))
             if self._print_backend and self.accelerator.is_main_process:  # once per run: which kernel trains it
@@ -594,7 +617,14 @@ class LoptiGRPOTrainer(GRPOTrainer):
                       f"({'one pass' if one_pass else 'two passes'}); value checks are read before each optimizer "
                       "step", flush=True)  # fmt: skip
             self._print_backend = False
+        else:  # evaluation: read at once, on every process together (one raising alone would leave the others
+            # waiting in their next collective)
+            at_once = StepChecks()
+            at_once.add(kernel_out.status, f"evaluation at optimizer step {self.state.global_step}")
+            at_once.raise_if_bad(any_rank=_max_over_processes)
         out = layout.on_rows(kernel_out)  # [N] per-token fields on the trained tokens, in rows' order
+        if old is None:  # TRL's per_token_logps.detach(): the ratio's anchor, for the metrics below
+            old = out.logp.detach().new_zeros(b, t).masked_scatter(rows, out.logp.detach())
 
         # TRL's order: the surrogate times the entropy mask, times the IS ratio, then + beta * KL over every token
         loss_rows = out.loss  # [N]: clipped surrogate (AR-weighted), + beta * KL when folded in
@@ -663,14 +693,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
         """Raise, before the optimizer step and on every process, if a fused call since the last step found a bad
         row (a NaN / +inf logit, a non-finite advantage or log-prob): one 4-byte read and, on several processes,
         one all-reduce per optimizer step."""
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-
-        def any_rank(word: torch.Tensor) -> torch.Tensor:
-            if distributed:
-                torch.distributed.all_reduce(word, op=torch.distributed.ReduceOp.MAX)
-            return word
-
-        self._value_checks.raise_if_bad(any_rank=any_rank)
+        self._value_checks.raise_if_bad(any_rank=_max_over_processes)
 
     def _micro_step_name(self, inputs: dict) -> str:
         """Where a fused call is, for an error message: the optimizer step, the Lopti phase, the micro-step."""
@@ -710,6 +733,25 @@ class LoptiGRPOTrainer(GRPOTrainer):
             name = PHASE_NAMES[self.args.lopti_order][inputs["lopti_phase"]]
             self._metrics[mode][f"lopti/{name}/policy_loss"].append(self.accelerator.gather(policy_loss).mean().item())
             self._metrics[mode][f"lopti/{name}/clip_ratio"].append(global_mean(out.clipped.float()))
+
+
+def _max_over_processes(word: torch.Tensor) -> torch.Tensor:
+    """``word`` (a value-check status word) made the max over every process, when there are several."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(word, op=torch.distributed.ReduceOp.MAX)
+    return word
+
+
+def _own_log_probs(loss_head, inputs: tuple, per_token: list, options: dict) -> torch.Tensor:
+    """``[R]`` the log-probs ``loss_head`` (``fused_policy_loss`` or ``fused_linear_policy_loss``) reads from
+    ``inputs`` (logits, or hidden states and the layer's weight) for ``per_token``'s labels: a gradient-free call,
+    its values checked by the training call that follows."""
+    kept = {k: options[k] for k in ("bias",) if k in options}
+    loss_options = dataclasses.replace(options["options"], alpha=0.0, kl_coef=0.0, check="off")
+    with torch.no_grad():
+        detached = tuple(x.detach() for x in inputs)
+        zeros = torch.zeros_like(per_token[2])
+        return loss_head(*detached, per_token[0], zeros, zeros, per_token[3], options=loss_options, **kept).logp
 
 
 class _KernelRows:
