@@ -635,3 +635,36 @@ def test_off_with_dropout_is_trls_on_policy_step(tmp_path, tok, fused_lm_head):
     logs = [{k: v for k, v in h.items() if k.startswith("clip_ratio/")} for h in (ours.state.log_history[0],
                                                                                 theirs.state.log_history[0])]
     assert logs[0] == logs[1] and logs[0]["clip_ratio/region_mean"] == 0.0
+
+
+class NaNInTheSecondTraining(LoptiGRPOTrainer):
+    """A NaN advantage in every micro-batch of this trainer's second ``train()``."""
+
+    trainings = 0
+
+    def train(self, *args, **kwargs):
+        self.trainings += 1
+        return super().train(*args, **kwargs)
+
+    def _compute_loss(self, model, inputs):
+        if self.trainings == 2 and self.model.training:
+            inputs = dict(inputs, advantages=torch.full_like(inputs["advantages"], float("nan")))
+        return super()._compute_loss(model, inputs)
+
+
+@pytest.mark.parametrize("new_optimizer", [False, True])
+def test_a_second_train_call_still_reads_the_value_checks(tmp_path, tok, new_optimizer):
+    """A second ``train()`` of the same trainer trained on NaN advantages: its global steps count from 0 again, and
+    the checks, read once per global step, counted step 0 as read; and the hook that reads them was on the first
+    ``train()``'s optimizer only, while an optimizer built again (as DeepSpeed builds one at each ``train()``; here
+    ``self.optimizer = None`` makes TRL build it) does the stepping."""
+    cfg = LoptiGRPOConfig(**settings(tmp_path, ar_alpha=0.3))
+    trainer = NaNInTheSecondTraining(model=tiny_model(tok), reward_funcs=[distinct_words], args=cfg,
+                                     train_dataset=kk_dataset(), processing_class=tok)  # fmt: skip
+    trainer.train()
+    trained = [p.detach().clone() for p in trainer.model.parameters()]
+    if new_optimizer:
+        trainer.optimizer, trainer.lr_scheduler = None, None
+    with pytest.raises(ValueError, match="^advantages must be finite"):
+        trainer.train()
+    assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), trained))

@@ -140,6 +140,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
     _value_checks: Optional[StepChecks] = None  # the fused loss's value checks, read before each optimizer step
     _value_checks_read_at: Optional[int] = None  # the global step they were last read at
     _optimizer_state_io = False  # saving or loading the optimizer's state: its steps there are not training steps
+    _hooked_optimizer: Optional[torch.optim.Optimizer] = None  # the torch optimizer whose steps read the checks
     _print_backend = False
 
     def __init__(self, *args_, args: Optional[LoptiGRPOConfig] = None, **kwargs):
@@ -669,15 +670,24 @@ class LoptiGRPOTrainer(GRPOTrainer):
     def _checks_before_the_step(self) -> StepChecks:
         """The ledger of the fused loss's value checks, made at the first training call: a pre-hook on the optimizer
         reads it before every real step (TRL's accumulation windows included), on every process together, and the
-        backend that ran is printed once."""
+        backend that ran is printed once. An optimizer built again (another ``train()`` of this trainer under
+        DeepSpeed, a new ``self.optimizer``) gets the hook too: the one before would never step again."""
         if self._value_checks is None:
             self._value_checks = StepChecks()
-            optimizer = self.optimizer
-            while hasattr(optimizer, "optimizer"):  # accelerate's wrapper, DeepSpeed's ZeRO one: the torch one inside
-                optimizer = optimizer.optimizer
-            optimizer.register_step_pre_hook(lambda *_: self._read_value_checks_once_per_step())
             self._print_backend = True
+        optimizer = self.optimizer
+        while hasattr(optimizer, "optimizer"):  # accelerate's wrapper, DeepSpeed's ZeRO one: the torch one inside
+            optimizer = optimizer.optimizer
+        if optimizer is not self._hooked_optimizer:
+            optimizer.register_step_pre_hook(lambda *_: self._read_value_checks_once_per_step())
+            self._hooked_optimizer = optimizer
         return self._value_checks
+
+    def train(self, *args, **kwargs):
+        """TRL's ``train``; the value checks' once-per-step key starts afresh (a second ``train()`` counts its global
+        steps from 0 again, and its first step must read them)."""
+        self._value_checks_read_at = None
+        return super().train(*args, **kwargs)
 
     def _read_value_checks_once_per_step(self) -> None:
         """DeepSpeed's ZeRO optimizer steps the torch optimizer once per parameter group: the checks are read at its
