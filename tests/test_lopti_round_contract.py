@@ -340,8 +340,19 @@ def test_an_empty_phase_takes_no_optimizer_step(front_end, tmp_path):
         assert metrics["lopti/high/tokens"] == 0 and metrics["optimizer_steps"] == plain_metrics["optimizer_steps"]
     else:
         pytest.importorskip("trl")
+        from openrlhf_lopti.demo.tiny_model import build_word_tokenizer
+
+        from .test_trl_trainer import tiny_model
+
         plain, plain_steps, plain_schedule = _trl_round(tmp_path / "plain", lopti=False)
         lopti, steps, schedule = _trl_round(tmp_path / "lopti", lopti=True)
         assert steps == plain_steps == [1]  # one AdamW step per parameter: the empty phase took none
         assert schedule == plain_schedule
+        # the plain run anchors the ratio at its loss's own forward (TRL's on-policy case), Lopti at the rollout's
+        # stored log-probs: the same values up to rounding, so the same step up to rounding (an AdamW step in the
+        # empty phase would add a whole step's worth of momentum and weight decay)
+        for a, b, start in zip(lopti, plain, tiny_model(build_word_tokenizer()).parameters()):
+            step = (b - start.detach()).abs().max()
+            assert step > 0 and (a - b).abs().max() <= 1e-3 * step
+        return
     assert all(torch.equal(a, b) for a, b in zip(lopti, plain))

@@ -941,11 +941,14 @@ def test_moe_aux_loss_counts_once_per_rl_step(env, float64):
     assert routers > 0
 
 
-def test_lopti_keeps_upstreams_sequence_gate_on_the_whole_response(env):
+@pytest.mark.parametrize("denominator", ["all", "phase"])
+def test_lopti_keeps_upstreams_sequence_gate_on_the_whole_response(env, denominator):
     """``--algo.advantage.is_correction_level seq`` (seq-mask-TIS): upstream keeps or drops each sequence on the
     geometric mean of its train/rollout ratios over the whole response. Here each response's first half has rollout
     p 0.1 and log-ratio +2, the rest p 0.9 and -2: the whole-response mean is inside the band [0.5, 5], each half's
-    is not. Lopti's low phase (the first halves) must still train; gated on its own tokens it was all filtered."""
+    is not. Lopti's low phase (the first halves) must still train; gated on its own tokens it was all filtered.
+    (With ``--algo.lopti.denominator phase`` the replay items hold the phase's tokens as their mask: the gate was
+    still on them there, and nothing trained.)"""
 
     def half_and_half(experience):
         mask = experience.action_mask
@@ -953,7 +956,8 @@ def test_lopti_keeps_upstreams_sequence_gate_on_the_whole_response(env):
         experience.action_log_probs = torch.log(torch.where(low, 0.1, 0.9)) * mask
         experience.rollout_log_probs = (experience.action_log_probs - torch.where(low, 2.0, -2.0)) * mask
 
-    flags = ["--algo.lopti.eta", "0.5", "--algo.advantage.is_correction_level", "seq"]
+    flags = ["--algo.lopti.eta", "0.5", "--algo.advantage.is_correction_level", "seq", "--algo.lopti.denominator",
+             denominator]  # fmt: skip
     run = train_round(env, Lopti, make_args(*flags), edit=half_and_half, record_grads=True)
     assert run.trainer.fused_backend is None  # the fused loss does not take IS correction: upstream's PolicyLoss
     ratios = run.experience.action_log_probs - run.experience.rollout_log_probs
@@ -965,6 +969,7 @@ def test_lopti_keeps_upstreams_sequence_gate_on_the_whole_response(env):
     for phase in ("low", "high"):
         assert any(any(g.abs().max() > 0 for g in step["grads"]) for step in steps if step["phase"] == phase), phase
     assert run.status["lopti/low/policy_loss"] != 0
+    assert run.status["is_filter_ratio"] == 0  # upstream filters none of them
 
 
 def test_lopti_with_a_sequence_gate_needs_token_mean_aggregation(capsys):
@@ -1021,21 +1026,40 @@ def test_merge_phase_status_rules():
     }
     share = {"low": 0.25, "high": 0.75}
     merged = merge_phase_status(statuses, share, "all", kl_is_loss=True)
-    assert merged["policy_loss"] == 3.0  # shares of one all-token mean add up
+    # "all": each phase's loss comes per phase token; its share is value x token share, and the shares add up
+    assert merged["policy_loss"] == pytest.approx(0.25 * 1.0 + 0.75 * 2.0)
+    assert merged["lopti/low/policy_loss"] + merged["lopti/high/policy_loss"] == pytest.approx(merged["policy_loss"])
     assert merged["ppo_clip_ratio"] == pytest.approx(0.25 * 0.5 + 0.75 * 0.1)
     assert merged["actor_grad_norm"] == 4.0 and merged["reward"] == 0.2
-    assert merged["lopti/low/actor_grad_norm"] == 3.0 and merged["lopti/high/policy_loss"] == 2.0
-    assert merge_phase_status(statuses, share, "phase", True)["policy_loss"] == pytest.approx(0.25 * 1.0 + 0.75 * 2.0)
+    assert merged["lopti/low/actor_grad_norm"] == 3.0 and merged["lopti/high/policy_loss"] == pytest.approx(1.5)
+    phase = merge_phase_status(statuses, share, "phase", True)
+    assert phase["policy_loss"] == pytest.approx(0.25 * 1.0 + 0.75 * 2.0) and phase["lopti/high/policy_loss"] == 2.0
     only_high = merge_phase_status({"high": statuses["high"]}, {"low": 0.0, "high": 1.0}, "all", True)
     assert only_high["policy_loss"] == 2.0 and "lopti/low/policy_loss" not in only_high
     # "kl": the KL loss's phase shares add up; the rollout KL in the reward is the same number in every phase
     with_kl = {name: {**status, "kl": 0.1 * (i + 1)} for i, (name, status) in enumerate(statuses.items())}
-    assert merge_phase_status(with_kl, share, "all", kl_is_loss=True)["kl"] == pytest.approx(0.3)
+    assert merge_phase_status(with_kl, share, "all", kl_is_loss=True)["kl"] == pytest.approx(0.25 * 0.1 + 0.75 * 0.2)
     rollout_kl = {name: {**status, "kl": 0.5} for name, status in statuses.items()}
     assert merge_phase_status(rollout_kl, share, "all", kl_is_loss=False)["kl"] == 0.5
     # a per-token metric only one phase reported: the token-weighted mean over the phases that have it is its value
     partial = {"low": {**statuses["low"], "vllm_kl": 0.4}, "high": statuses["high"]}
     assert merge_phase_status(partial, share, "phase", kl_is_loss=True)["vllm_kl"] == pytest.approx(0.4)
+
+
+def test_the_rounds_losses_are_upstreams_single_pass_with_skewed_micro_batches(env):
+    """lr 0 (every token's loss the same in both phases and in upstream's pass), rollout p 0.1 on responses 0-3 and
+    0.9 on 4-7: micro-batches of one phase each. The round's policy_loss, KL loss (which --algo.kl.target's
+    controller reads) and entropy_loss are upstream's single pass; before, each phase's value was weighted by its
+    own token count (policy_loss 2.42 against upstream's 1.22). One micro-batch per optimizer step: with more, each
+    pass's shuffled micro-batches group into other windows, whose token counts normalise the losses."""
+    edit = rollout_probs(4, 0.1, 0.9)
+    flags = ["--actor.adam.lr", "0", "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.entropy_coef", "0"]
+    up = train_round(env, Upstream, make_args(*flags), gas=1, edit=edit)
+    lo = train_round(env, Lopti, make_args(*flags, "--algo.lopti.eta", "0.5"), gas=1, edit=edit)
+    for key in ("policy_loss", "kl", "entropy_loss", "ppo_kl", "ppo_clip_ratio"):
+        assert lo.status[key] == pytest.approx(up.status[key], rel=1e-5, abs=1e-8), key
+        if key in ("policy_loss", "kl", "entropy_loss"):
+            assert lo.status[f"lopti/low/{key}"] + lo.status[f"lopti/high/{key}"] == pytest.approx(lo.status[key])
 
 
 def test_quantile_sets_the_fraction_of_low_tokens(env):

@@ -61,8 +61,9 @@ from .fused import ActionRows, fused_log_probs, head_to_kernels, hf_model, lm_he
 PER_PHASE_METRICS = (
     "policy_loss", "ppo_clip_ratio", "ppo_kl", "actor_grad_norm", "kl", "entropy_loss", "logprobs_diff",
 )  # fmt: skip
-# aggregate_loss values: with the "all" denominator each phase's value is its share of the batch token mean.
-# "kl" is one only with --algo.kl.use_loss; otherwise it is the rollout's KL (in the reward), the same every phase.
+# aggregate_loss values: with the "all" denominator a phase's loss is a sum over its tokens divided by every response
+# token's count, so the phases' values add up to upstream's single pass. "kl" is one only with --algo.kl.use_loss;
+# otherwise it is the rollout's KL (in the reward), the same every phase.
 SHARE_METRICS = ("policy_loss", "kl", "entropy_loss")
 # masked means over the phase's own tokens.
 MEAN_METRICS = ("ppo_clip_ratio", "ppo_kl", "logprobs_diff", "vllm_kl", "is_filter_ratio")
@@ -85,20 +86,23 @@ def merge_phase_status(
     Returns:
         Every key of the last phase's status (rewards, lengths, rollout KL, learning rate and grad norm: the
         last optimizer step's, as upstream logs them), then ``lopti/<phase>/<key>`` for
-        :data:`PER_PHASE_METRICS`, and the round's value of the per-token metrics: the sum over phases of loss
-        shares (``"all"`` denominator) or the token-weighted mean over phases.
+        :data:`PER_PHASE_METRICS`, and the round's value of the per-token metrics: the token-weighted mean over
+        phases. With the ``"all"`` denominator a loss (:data:`SHARE_METRICS`) comes from each phase per phase
+        token (``training_step`` scales it so), its ``lopti/<phase>/<key>`` is the phase's share (value x token
+        share), and the round's value is the sum of the shares: upstream's single pass.
     """
     merged = dict(statuses[list(statuses)[-1]])
+    per_token = [key for key in SHARE_METRICS + MEAN_METRICS if key != "kl" or kl_is_loss]
+    shares = [key for key in SHARE_METRICS if key in per_token] if denominator == "all" else []
     for name, status in statuses.items():
         for key in PER_PHASE_METRICS:
             if key in status:
-                merged[f"lopti/{name}/{key}"] = status[key]
-    per_token = [key for key in SHARE_METRICS + MEAN_METRICS if key != "kl" or kl_is_loss]
+                merged[f"lopti/{name}/{key}"] = token_share[name] * status[key] if key in shares else status[key]
     for key in per_token:
         values = {name: status[key] for name, status in statuses.items() if key in status}
         weight = sum(token_share[name] for name in values)
-        if key in SHARE_METRICS and denominator == "all":
-            merged[key] = sum(values.values())
+        if key in shares:
+            merged[key] = sum(token_share[name] * value for name, value in values.items())
         elif weight > 0:
             merged[key] = sum(token_share[name] * value for name, value in values.items()) / weight
     return merged
@@ -144,6 +148,8 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         self.lopti_threshold: float = self.lopti.lopti_eta  # this round's probability threshold (eta or quantile)
         # replay item id -> phase name -> bool mask of the item's tokens in that phase, as this round decided them
         self._phase_tokens: Dict[int, Dict[str, torch.Tensor]] = {}
+        # replay item id -> its whole response mask, while --algo.lopti.denominator phase masks the items to a phase
+        self._whole_responses: Dict[int, torch.Tensor] = {}
         self.rl_step = 0  # RL steps trained (ppo_train calls); LoptiPolicyModelActor sets it on resume
         self._micro_batch = ""  # where training_step is, for error messages
         self._value_checks = StepChecks()  # the fused loss's value checks since the last optimizer step
@@ -336,6 +342,9 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             items = batch[0] if buffer.dynamic_batch else batch  # dynamic batching hands one list of items
             tokens = [self._phase_tokens[id(item)][self.lopti_phase] for item in items]
             experience.lopti_phase_tokens = zero_pad_sequences(tokens, "right", stack=True)
+            if self._whole_responses:  # --algo.lopti.denominator phase: action_mask is the phase's; the gate's mask
+                whole = [self._whole_responses[id(item)] for item in items]
+                experience.lopti_response_mask = zero_pad_sequences(whole, "right", stack=True)
             return experience
 
         buffer.collate_fn = collate_with_phases  # upstream's DataLoader takes it when ppo_train builds one
@@ -350,12 +359,14 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         batching) count only the phase's tokens in the token-mean denominators."""
         items = self.replay_buffer.items
         saved = [item.action_mask for item in items]
+        self._whole_responses = {id(item): mask for item, mask in zip(items, saved)}  # for the sequence gate
         try:
             for item in items:
                 phase_tokens = self._phase_tokens[id(item)][self.lopti_phase]
                 item.action_mask = self._phase_mask(item.action_mask, phase_tokens).to(item.action_mask.dtype)
             yield
         finally:
+            self._whole_responses = {}
             for item, mask in zip(items, saved):
                 item.action_mask = mask
 
@@ -390,13 +401,16 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
                     experience.advantages = reweight_advantages(
                         experience.advantages, experience.action_log_probs, self.lopti.ar_alpha
                     )
-                with self._sequence_gate_on_the_whole_response(response_mask):
+                whole = getattr(experience, "lopti_response_mask", None)  # the phase denominator's replay
+                with self._sequence_gate_on_the_whole_response(response_mask if whole is None else whole):
                     status = super().training_step(experience, kl_ctl, step, loss_batch_info)
             else:
                 with self._fused_policy_loss(experience), self._value_checks_before_the_step():
                     status = super().training_step(experience, kl_ctl, step, loss_batch_info)
         finally:
             experience.action_mask, experience.advantages = response_mask, advantages
+        if self.lopti_phase is not None and self.lopti.lopti_denominator == "all":
+            self._losses_per_phase_token(status, response_mask)
         if status["num_action_tokens"] == 0:
             # A micro-batch without tokens of this phase still runs (its zero loss keeps the optimizer-step
             # windows aligned), but its masked means are 0/0 and upstream's ppo_train divides its token-weighted
@@ -407,6 +421,21 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             }
             status["num_action_tokens"] = EMPTY_PHASE_WEIGHT
         return status
+
+    def _losses_per_phase_token(self, status: dict, response_mask: torch.Tensor) -> None:
+        """A phase's losses of this micro-batch (:data:`SHARE_METRICS`), scaled from "a sum over the phase's tokens /
+        every response token's count" to per phase token: x (response tokens / phase tokens) of the micro-batch.
+
+        Upstream's ``ppo_train`` weights each micro-batch's value by its ``num_action_tokens``, here the phase's
+        tokens, where its single pass weights by every response token: unscaled, a phase's sum over micro-batches
+        whose mix of low and high tokens differs was off (up to 2x the single pass with skewed micro-batches, and
+        the KL loss feeds ``--algo.kl.target``'s controller). Scaled, ``merge_phase_status``'s token-share sum is
+        upstream's single-pass value."""
+        phase_tokens = float(status["num_action_tokens"])
+        scale = float(response_mask.sum()) / phase_tokens if phase_tokens > 0 else 0.0
+        for key in SHARE_METRICS:
+            if key in status["metrics"] and (key != "kl" or self.args.algo.kl.use_loss):
+                status["metrics"][key] = status["metrics"][key] * scale
 
     @contextmanager
     def _fused_policy_loss(self, experience: Experience) -> Iterator[None]:
