@@ -1046,7 +1046,7 @@ def test_merge_phase_status_rules():
     assert merge_phase_status(partial, share, "phase", kl_is_loss=True)["vllm_kl"] == pytest.approx(0.4)
 
 
-def test_the_rounds_losses_are_upstreams_single_pass_with_skewed_micro_batches(env):
+def test_the_rounds_losses_are_upstreams_single_pass_with_skewed_micro_batches(env, eager_entropy):
     """lr 0 (every token's loss the same in both phases and in upstream's pass), rollout p 0.1 on responses 0-3 and
     0.9 on 4-7: micro-batches of one phase each. The round's policy_loss, KL loss (which --algo.kl.target's
     controller reads) and entropy_loss are upstream's single pass; before, each phase's value was weighted by its
