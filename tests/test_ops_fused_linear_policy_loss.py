@@ -725,3 +725,15 @@ def test_a_row_that_overflows_at_the_temperature_is_named_with_it(backend):
         linear_log_probs(inputs["hidden"], inputs["weight"], inputs["labels"], temperature=0.5, chunk_size=5,
                          backend=backend)  # fmt: skip
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_second_derivative_is_refused_never_silently_wrong(backend):
+    """Under ``create_graph=True`` the lm_head's block gradients (no graph) would be constants of a second derivative,
+    which then silently missed their terms (measured: 0 where the reference's is 73); it is refused in one line."""
+    inputs = make_inputs(n=9, h=8, v=20)
+    hidden = inputs["hidden"].requires_grad_(True)
+    out = fused_linear_policy_loss(hidden, inputs["weight"], inputs["labels"], inputs["old_log_probs"],
+                                   inputs["advantages"], inputs["mask"], bias=inputs["bias"], backend=backend)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"^fused_linear_policy_loss: a second derivative .* fused_policy_loss"):
+        torch.autograd.grad(out.loss.sum(), hidden, create_graph=True)

@@ -103,19 +103,29 @@ BAD_INPUTS = {
         dict(ref_log_probs=None, kl_coef=0.1),
     ],
     "alpha": [dict(alpha=-0.1), dict(alpha=1.5), dict(alpha=float("nan")), dict(alpha="0.3x")],
-    "eps_low": [dict(eps_low=-0.1), dict(eps_low=1.0), dict(eps_low=float("nan"))],
-    "eps_high": [dict(eps_high=-0.1), dict(eps_high=float("inf")), dict(eps_high=float("nan"))],
-    "dual_clip": [dict(dual_clip=1.0), dict(dual_clip=0.5), dict(dual_clip=float("inf"))],
-    "kl_coef": [dict(kl_coef=float("nan")), dict(kl_coef=float("inf"))],
+    # not numbers: a string (a YAML 1e-3 is one), None, a bool; numbers finite in float64 but not in float32,
+    # the loss's precision (1e39; a temperature whose inverse overflows)
+    "eps_low": [dict(eps_low=-0.1), dict(eps_low=1.0), dict(eps_low=float("nan")), dict(eps_low="0.2"),
+                dict(eps_low=None)],
+    "eps_high": [dict(eps_high=-0.1), dict(eps_high=float("inf")), dict(eps_high=float("nan")),
+                 dict(eps_high="0.28"), dict(eps_high=1e39)],
+    "dual_clip": [dict(dual_clip=1.0), dict(dual_clip=0.5), dict(dual_clip=float("inf")), dict(dual_clip="3"),
+                  dict(dual_clip=1e39)],
+    "kl_coef": [dict(kl_coef=float("nan")), dict(kl_coef=float("inf")), dict(kl_coef="1e-3"), dict(kl_coef=None),
+                dict(kl_coef=1e39), dict(kl_coef=torch.ones(2))],
     "kl_estimator": [dict(kl_estimator="k4"), dict(kl_estimator="K3")],
     "temperature": [dict(temperature=0.0), dict(temperature=-1.0), dict(temperature=float("nan")),
-                    dict(temperature=math.inf)],
+                    dict(temperature=math.inf), dict(temperature=None), dict(temperature="0.7"),
+                    dict(temperature=True), dict(temperature=1e-40)],
     "options": [dict(options="alpha=0.3"), dict(options={"alpha": 0.3}), dict(options=LossOptions(), alpha=0.3),
                 dict(options=LossOptions(alpha=0.3), temperature=0.7)],
     "check": [dict(check="later"), dict(check=None)],
+    # weights that require grad: the Triton one-pass head has no gradient for them, so no backend takes them
     "loss_weights": [dict(loss_weights=torch.ones(N + 1)), dict(loss_weights=torch.ones(N, dtype=torch.long)),
-                     dict(loss_weights=torch.ones(N, device=meta)), dict(loss_weights=[1.0] * N)],
-    "entropy_weights": [dict(entropy_weights=torch.ones(N)), dict(entropy_weights=torch.ones(2), loss_weights=torch.ones(N))],
+                     dict(loss_weights=torch.ones(N, device=meta)), dict(loss_weights=[1.0] * N),
+                     dict(loss_weights=torch.ones(N, requires_grad=True))],
+    "entropy_weights": [dict(entropy_weights=torch.ones(N)), dict(entropy_weights=torch.ones(2), loss_weights=torch.ones(N)),
+                        dict(entropy_weights=torch.ones(N, requires_grad=True), loss_weights=torch.ones(N))],
     "grad_in_logits": [dict(grad_in_logits=True)],
 }  # fmt: skip
 # Bad values: found by each backend in its pass (status bits), raised after the forward naming the argument and
@@ -237,7 +247,9 @@ def test_every_argument_has_a_bad_input_case():
      dict(ref_log_probs=None, kl_coef=0.0), dict(kl_coef=-0.5), dict(temperature=1e-3),
      dict(labels=torch.zeros(N, dtype=torch.long)), dict(labels=torch.full((N,), V - 1)),
      dict(labels=torch.zeros(N, dtype=torch.int32)), dict(mask=torch.ones(N, dtype=torch.uint8)),
-     dict(old_log_probs=torch.zeros(N, dtype=torch.float64))],
+     dict(old_log_probs=torch.zeros(N, dtype=torch.float64)),
+     # numbers of other types: an int, a one-element tensor (an adaptive KL controller's value)
+     dict(eps_high=1), dict(temperature=2), dict(kl_coef=torch.tensor(0.01))],
     ids=lambda o: ",".join(o),
 )
 def test_boundary_values_are_accepted(overrides):
@@ -433,3 +445,27 @@ def test_kernel_bad_rows_raise_the_references_message(backend):
     args["logits"][1, 4] = float("nan")
     with pytest.raises(ValueError, match=r"^logits row 1 \(unmasked\) has NaN at column 4; "):
         _call(args, backend=backend)
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass"])
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_a_second_derivative_is_refused_never_silently_wrong(backend, one_pass):
+    """The kernels' gradients carry no graph: under ``create_graph=True`` autograd would take them as constants, and
+    a gradient penalty's derivative silently lost every term through them (cpp and triton returned dL/dx alone).
+    They refuse it in one line; the torch reference differentiates twice (its penalty term is not 0)."""
+    args = _good()
+    logits = args.pop("logits").requires_grad_(True)
+    if one_pass:
+        args["loss_weights"] = torch.full((N,), 1.0 / N)
+
+    def objective(backend):
+        out = fused_policy_loss(logits, **args, return_entropy=True, backend=backend)
+        return out.reduced if one_pass else out.loss.sum() + out.entropy.sum()
+
+    (grad,) = torch.autograd.grad(objective("torch"), logits, create_graph=True)
+    (penalty_grad,) = torch.autograd.grad((grad**2).sum(), logits)
+    assert penalty_grad.abs().max() > 1e-3  # the term the kernels' gradients would have dropped
+    with pytest.raises(RuntimeError, match=rf"^fused_policy_loss \(backend '{backend}'.*create_graph=True.*torch"):
+        torch.autograd.grad(objective(backend), logits, create_graph=True)
+    (first,) = torch.autograd.grad(objective(backend), logits)  # first order, as before
+    torch.testing.assert_close(first, grad.detach(), rtol=1e-5, atol=1e-6)

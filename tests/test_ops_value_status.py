@@ -88,6 +88,8 @@ def test_every_backend_sets_the_references_bits(backend):
         BAD_OLD | BAD_ADVANTAGE | BAD_REF | BAD_LOGITS)  # every kind was planted: the OR is every bit
     flagged = want != 0
     assert torch.isnan(out.loss[flagged]).all() and torch.isnan(out.logp[flagged]).all()
+    # the KL too (a logged metric): the kernel's clamp would turn a NaN log-prob into a finite bound
+    assert torch.isnan(out.kl[flagged]).all() and torch.isfinite(out.kl[~flagged]).all()
     assert torch.isfinite(out.loss[~flagged]).all() and out.loss[10] == 0
     (out.loss.nan_to_num().sum() + out.logp.nan_to_num().sum()).backward()
     assert torch.isfinite(logits.grad[~flagged]).all() and torch.all(logits.grad[10] == 0)

@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 
 from ..algo import PolicyLossOutput
 from ..install import checkout, pip_install
+from .first_order import first_order
 from .loss_head_output import LossHeadOutput
 from .torch_policy_loss import finish_per_token
 
@@ -228,6 +229,7 @@ class _CppPolicyLoss(torch.autograd.Function):
         return loss, logp, kl, clipped, entropy, bad_rows
 
     @staticmethod
+    @first_order("fused_policy_loss (backend 'cpp')", "backend='torch' differentiates twice")
     @once_differentiable
     def backward(ctx, grad_loss, grad_logp, _grad_kl, _grad_clipped, grad_entropy, _grad_bad_rows):
         if grad_loss is None and grad_logp is None and grad_entropy is None:

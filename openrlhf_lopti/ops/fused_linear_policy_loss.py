@@ -34,6 +34,7 @@ from torch.autograd.function import once_differentiable
 
 from ..algo import policy_loss_from_logp
 from . import vocab_block as torch_blocks
+from .first_order import first_order
 from .fused_policy_loss import BACKENDS, LOGITS_DTYPES, _check_row_inputs, apply_check_policy, check_weights
 from .fused_policy_loss import resolve_backend
 from .loss_head_output import LossHeadOutput
@@ -169,6 +170,7 @@ class _LinearLogProbs(torch.autograd.Function):
         return logp, entropy, bad
 
     @staticmethod
+    @first_order("fused_linear_policy_loss", "compute the logits and call fused_policy_loss(backend='torch')")
     @once_differentiable
     def backward(ctx, g_logp, g_entropy, _g_bad):
         hidden_rows, weight, bias, labels, row_max, log_sum, entropy = ctx.saved_tensors
@@ -293,7 +295,7 @@ def fused_linear_policy_loss(
         :class:`~openrlhf_lopti.ops.loss_head_output.LossHeadOutput` of fp32 ``[N]`` fields, equal to
         ``fused_policy_loss`` on the full logits. Gradients from ``loss``, ``logp`` and ``entropy`` (any per-token
         weights) or from ``reduced`` reach ``hidden`` (its dtype), ``weight`` and ``bias`` (in their dtypes).
-        Double backward is not supported.
+        A second derivative (``create_graph=True``) raises ``RuntimeError`` at the backward (``ops/first_order.py``).
 
     Raises:
         ValueError: naming the argument, before any matmul: the checks and messages of ``fused_policy_loss`` for

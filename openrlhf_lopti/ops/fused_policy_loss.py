@@ -21,6 +21,7 @@ from .torch_policy_loss import torch_policy_loss
 
 BACKENDS = ("auto", "triton", "cpp", "torch")
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _check_inputs(
@@ -97,23 +98,45 @@ def _check_row_inputs(
         raise ValueError(f"mask must be bool or 0/1, got {mask.dtype}")
 
     check_alpha(alpha)
+    eps_low, eps_high, kl_coef, temperature = (
+        _number(name, value)
+        for name, value in (("eps_low", eps_low), ("eps_high", eps_high), ("kl_coef", kl_coef),
+                            ("temperature", temperature))
+    )  # fmt: skip
     if not (0.0 <= eps_low < 1.0):
         raise ValueError(f"eps_low must be in [0, 1), got {eps_low!r}")
-    if not (eps_high >= 0.0 and math.isfinite(eps_high)):
+    if not (eps_high >= 0.0 and _in_float32(eps_high)):
         raise ValueError(f"eps_high must be a finite number >= 0, got {eps_high!r}")
-    if dual_clip is not None and not (dual_clip > 1.0 and math.isfinite(dual_clip)):
+    if dual_clip is not None and not (_number("dual_clip", dual_clip) > 1.0 and _in_float32(float(dual_clip))):
         raise ValueError(f"dual_clip must be None or a finite number > 1, got {dual_clip!r}")
-    if not math.isfinite(kl_coef):
+    if not _in_float32(kl_coef):
         raise ValueError(f"kl_coef must be finite, got {kl_coef!r}")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     if kl_coef != 0 and ref_log_probs is None:
         raise ValueError("ref_log_probs is required when kl_coef != 0")
-    if not (temperature > 0 and math.isfinite(temperature)):
+    if not (temperature > 0 and _in_float32(temperature) and _in_float32(1.0 / temperature)):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
     # The values (ids in range, finite floats, finite log-sum-exp per row) are checked by each backend as status
     # bits in the pass it makes anyway (ops/value_status.py), and read when the check policy says.
+
+
+def _number(name: str, value) -> float:
+    """``value`` as a float, or a one-line ``ValueError`` naming ``name``: a real number (a Python or numpy number, a
+    one-element tensor), not a bool or a string (a YAML ``1e-3`` is the string ``'1e-3'``; a config's ``true`` is
+    not 1)."""
+    if not isinstance(value, (bool, str, bytes)):
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+
+
+def _in_float32(value: float) -> bool:
+    """Finite once rounded to float32, the precision of the loss (a float64 1e39 is finite, its float32 is inf)."""
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
 
 
 def resolve_backend(backend: str, logits: torch.Tensor) -> str:
@@ -142,6 +165,9 @@ def check_weights(n: int, device: torch.device, loss_weights, entropy_weights, g
             raise ValueError(f"{name} must be None or a float tensor of shape [N]=[{n}], got {got}")
         if weights.device != device:
             raise ValueError(f"{name} is on {weights.device} but the rows are on {device}")
+        if weights.requires_grad and torch.is_grad_enabled():  # the Triton one-pass head has no gradient for them
+            raise ValueError(f"{name} must not require grad: they are the reduction's constants (pass "
+                             f"{name}.detach(), or reduce out.loss yourself with loss_weights=None)")  # fmt: skip
     if entropy_weights is not None and loss_weights is None:
         raise ValueError("entropy_weights needs loss_weights (the one-pass head reduces both), got loss_weights=None")
     if grad_in_logits and loss_weights is None:
@@ -242,8 +268,12 @@ def fused_policy_loss(
             or logits holding a NaN or +inf, or only -inf (-inf alone is legal and exact: probability 0, zero
             gradient). Every backend sets those rows' status bits in the pass it already makes; reading them is one
             4-byte device-to-host read. Under ``"step"`` the same error comes from
-            :meth:`~openrlhf_lopti.ops.value_status.StepChecks.raise_if_bad`; a flagged row's ``loss`` and ``logp``
-            are NaN under every policy.
+            :meth:`~openrlhf_lopti.ops.value_status.StepChecks.raise_if_bad`; a flagged row's ``loss``, ``logp``
+            and ``kl`` are NaN under every policy. An option that is not a number (a string, None, a bool) or
+            that float32 cannot hold, and ``loss_weights`` / ``entropy_weights`` that require grad (they are the
+            reduction's constants), are ``ValueError`` s too.
+        RuntimeError: at the backward, for a second derivative (``create_graph=True``) on the triton or cpp
+            backend (``ops/first_order.py``); the torch backend differentiates twice.
     """
     settings = resolve_options(
         options, alpha=alpha, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, kl_coef=kl_coef,

@@ -30,7 +30,7 @@ def finish_per_token(
     """A per-token backend's output (``out``, ``[N]`` fields with autograd) as a :class:`LossHeadOutput`.
 
     Adds the status bits (the inputs' and ``bad_logit_rows [N]`` bool, what the backend found in its pass over the
-    ``[N, vocab_size]`` logits; ``row_logits`` gives row ``i``'s for the message, when it can), NaN in ``loss`` and ``logp`` of every flagged row (times NaN, so their gradient is NaN too, as the
+    ``[N, vocab_size]`` logits; ``row_logits`` gives row ``i``'s for the message, when it can), NaN in ``loss``, ``logp`` and ``kl`` of every flagged row (times NaN, so their gradient is NaN too, as the
     Triton kernel's), and with ``loss_weights`` the reduced scalar, the only field left with a gradient. No host
     sync.
     """
@@ -38,7 +38,7 @@ def finish_per_token(
     rows = input_status(labels, old_log_probs, advantages, keep, ref_log_probs, vocab_size)
     rows = rows | torch.where(keep & bad_logit_rows, BAD_LOGITS, 0).to(torch.int32)
     poison = torch.where(rows != 0, float("nan"), 1.0).float()
-    loss, logp = out.loss * poison, out.logp * poison
+    loss, logp, kl = out.loss * poison, out.logp * poison, out.kl * poison
     entropy = out.entropy
     reduced = None
     if loss_weights is not None:
@@ -48,7 +48,7 @@ def finish_per_token(
         loss, logp = loss.detach(), logp.detach()
         entropy = None if entropy is None else entropy.detach()
     return LossHeadOutput(
-        loss=loss, logp=logp, kl=out.kl, clipped=out.clipped, entropy=entropy, reduced=reduced, backend=backend,
+        loss=loss, logp=logp, kl=kl, clipped=out.clipped, entropy=entropy, reduced=reduced, backend=backend,
         status=ValueStatus.of_rows(rows, vocab_size, temperature, row_logits),
     )  # fmt: skip
 

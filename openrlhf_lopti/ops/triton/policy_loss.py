@@ -40,6 +40,7 @@ import triton.language as tl
 
 from ...algo.policy_loss import KL_CLAMP, LOG_RATIO_CLAMP
 from .. import value_status
+from ..first_order import first_order
 from ..loss_head_output import LossHeadOutput
 from ..value_status import ValueStatus
 
@@ -213,10 +214,12 @@ def _policy_loss_fwd_kernel(
                 loss = loss + kl_coef * kl
                 dloss_dlogp = dloss_dlogp + kl_coef * dkl
 
-            # A flagged row never trains silently: NaN in its loss, log-prob and gradient, whatever the policy.
+            # A flagged row never trains silently: NaN in its loss, log-prob, KL and gradient, whatever the policy
+            # (the KL's clamp would turn a NaN log-prob into a finite bound).
             poison = tl.where(status == 0, 1.0, float("nan"))
             loss = loss * poison
             logp_out = logp * poison
+            kl = kl * poison
             dloss_dlogp = dloss_dlogp * poison
             tl.store(loss_ptr + row, loss)
             tl.store(logp_ptr + row, logp_out)
@@ -420,6 +423,7 @@ class _TritonPolicyLoss(torch.autograd.Function):
         return loss, logp, kl, clipped, entropy, status, word
 
     @staticmethod
+    @first_order("fused_policy_loss (backend 'triton')", "backend='torch' differentiates twice")
     def backward(ctx, g_loss, g_logp, g_kl, g_clipped, g_entropy, g_status, g_word):
         # Only ``logits`` can need a gradient (every other input is detached or integer), so autograd calls this
         # only when it does. One launch: the chain rule through logp is done per row inside the kernel.
@@ -470,6 +474,7 @@ class _TritonPolicyLossOnePass(torch.autograd.Function):
         return reduced, loss, logp, kl, clipped, entropy, status, word
 
     @staticmethod
+    @first_order("fused_policy_loss (backend 'triton', loss_weights)", "backend='torch' differentiates twice")
     def backward(ctx, g_reduced, *unused):
         grad, ctx.grad = ctx.grad, None
         if grad is None:
