@@ -111,6 +111,19 @@ def test_resume_refuses_changed_settings_and_out_dir_rules(model_dir, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
+def test_a_plain_resume_continues_to_the_steps_an_earlier_resume_extended_the_run_to(model_dir, tmp_path):
+    """A 1-step run, resumed with --steps 3 and killed before its next step, then resumed with no flag: it goes on to
+    step 3. config.json held the first run's --steps and a plain --resume read it: it stopped at step 1, wrote
+    final_model/ and said nothing."""
+    out = tmp_path / "run"
+    LocalTrainer(config(model_dir, out, steps=1)).run()
+    LocalTrainer(config(model_dir, out, steps=3), resume=True)  # extended; killed before its first step
+    cfg = config_from_args(build_parser().parse_args(["--resume", "--out", str(out)]))
+    assert cfg.steps == 3 and json.loads((out / "config.json").read_text())["steps"] == 3
+    assert [r["step"] for r in LocalTrainer(cfg, resume=True).run()][-1] == 3
+    assert sorted(p.name for p in out.glob(".config.json.tmp-*")) == []
+
+
 def test_a_run_that_fails_before_its_first_step_leaves_its_folder_reusable(model_dir, tmp_path, monkeypatch):
     out = tmp_path / "run"
 

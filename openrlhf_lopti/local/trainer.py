@@ -39,7 +39,7 @@ FINAL_MODEL_DIR = "final_model"
 PLOT_FILE = "plots.png"
 # Everything a run writes into its folder (with the temporary names of its atomic writes): exactly what
 # `--overwrite` removes. A new output file must be added here.
-RUN_OUTPUTS = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, PLOT_FILE, FINAL_MODEL_DIR,
+RUN_OUTPUTS = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, PLOT_FILE, FINAL_MODEL_DIR, f".{CONFIG_FILE}.tmp-*",
                f".{CHECKPOINT_FILE}.tmp-*", f".{FINAL_MODEL_DIR}.tmp-*", f".{FINAL_MODEL_DIR}.old-*")  # fmt: skip
 
 
@@ -159,6 +159,9 @@ class LocalTrainer:
             shown = ", ".join(f"--{k.replace('_', '-')} (run: {saved[k]!r}, now: {given.get(k)!r})" for k in diff)
             raise UserError(f"--resume: {shown} differ from the run in {self.out}: drop those flags to continue "
                             "it, or start a new run in another --out")  # fmt: skip
+        # The run now goes on with these settings (a longer --steps, another --device): config.json says so, or a
+        # later plain --resume would read the old ones and stop at the old --steps as if the run were finished.
+        self._write_config()
         self.policy.load_state_dict(ckpt["model"])
         for optimizer, state in zip(self.optimizers, optimizer_states(ckpt), strict=True):
             optimizer.load_state_dict(state)
@@ -254,10 +257,16 @@ class LocalTrainer:
         return reward_eval(self.policy, self.tokenizer, prompts, labels, sources, self.reward, cfg.max_new_tokens,
                            cfg.eval_n_samples, cfg.temperature)  # fmt: skip
 
+    def _write_config(self) -> None:
+        """``config.json``: the settings the run goes on with, replaced whole (a crash leaves the old or the new)."""
+        tmp = self.out / f".{CONFIG_FILE}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+        os.replace(tmp, self.out / CONFIG_FILE)
+
     def _log(self, metrics: dict) -> int:
         """Append one line to metrics.jsonl durably; returns the file size after it."""
         if self._fresh:  # the first step of a fresh run is done: the run's files start now
-            (self.out / CONFIG_FILE).write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+            self._write_config()
             self.metrics_path.write_text("")
             self._fresh = False
         with open(self.metrics_path, "a") as f:
