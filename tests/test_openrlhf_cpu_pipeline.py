@@ -219,7 +219,9 @@ IS_CORRECTION = {
     "seq-mask-tis": ["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "mask"],
 }
 # |mean(vLLM's sampled log-prob - the trainer's recomputed one)| per step, fp32 on both sides, one policy rank and one
-# engine: measured 2e-8 to 6e-8 (with 2 ranks and 2 engines it was up to 2e-5 after a sync: see README)
+# engine: measured 2e-8 to 6e-8. These runs' step 1 steps at lr 0 (the warm-up's first step), so step 2 samples the
+# initial weights too; after weights that moved, the first response token adds -log(1 - p_EOS) / length (upstream's
+# min_tokens=1 has vLLM report it with the stop tokens blocked; 1e-5 to 3e-5 measured: docs/TESTS.md)
 VLLM_KL_BOUND = 1e-6
 
 
