@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from openrlhf_lopti.__main__ import main as cli_main
@@ -50,3 +51,22 @@ def test_demo_rejects_bad_arguments(tmp_path, capsys):
     assert "--methods" in capsys.readouterr().err
     assert cli_main(["demo", "--out", str(tmp_path / "c"), "--threads", "-1"]) == 2
     assert "--threads must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--n-samples", "1"], "--n-samples must be >= 2 for GRPO's group normalisation, got 1"),
+     (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+     (["--eval-prompts", "-3"], "--eval-prompts must be an integer >= 0, got -3"),
+     (["--seed", str(2**50)], f"--seed must be an integer with |seed| < 2**40, got {2**50}"),
+     (["--device", "foo"], "--device must be auto, cpu, cuda or cuda:N, got 'foo'"),
+     (["--warmup-target", "1.5"], "--warmup-target must be an accuracy in [0, 1], got 1.5")],
+    ids=["n-samples", "lr", "eval-prompts", "seed", "device", "warmup-target"],
+)  # fmt: skip
+def test_every_run_setting_is_checked_before_the_warm_up(tmp_path, capsys, flags, message):
+    """The methods' trainer settings were checked only when each run started, after the minutes of warm-up: a
+    traceback there, and the warm-up model left in --out. Now one line before anything runs or is written."""
+    out = tmp_path / "demo"
+    assert cli_main(["demo", "--out", str(out), *flags]) == 2
+    assert capsys.readouterr().err == f"openrlhf-lopti demo: error: {message}\n"
+    assert not out.exists()

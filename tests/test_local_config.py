@@ -22,12 +22,33 @@ def make(**kw):
         ("estimator", "ppo"), ("micro_batch_size", -1), ("prompt_style", "fancy"), ("optimizer", "adam"),
         ("momentum", 1.0), ("momentum", 0.9), ("lopti_moments", "split"),  # momentum 0.9 with the default adamw
         ("lopti_lr_scale", 0.0), ("lopti_lr_scale", 1.5), ("lopti_lr_scale", float("nan")),
+        # each gave a traceback mid-run: a seed whose derived seeds overflow int64 (after the first rollout), a
+        # device torch cannot parse (at model.to), a template whose literal braces str.format reads as fields
+        ("seed", 10**14), ("seed", True), ("device", "foo"), ("device", "cuda:x"),
+        ("input_template", r"Q: {} Put the answer in \boxed{}."), ("input_template", "Q: {question} A: {}"),
     ],
 )  # fmt: skip
 def test_bad_values_raise_naming_the_field(field, value):
     with pytest.raises(ConfigError, match=f"^{field} ") as err:
         make(**{field: value})
     assert err.value.field == field  # the CLI turns it into the field's flag
+
+
+def test_a_template_with_escaped_braces_and_the_accepted_devices_and_seeds():
+    assert make(input_template=r"Q: {} Put the answer in \boxed{{}}.").input_template.format("x").endswith(
+        r"\boxed{}.")
+    assert [make(device=d).device for d in ("auto", "cpu", "cuda", "cuda:1")] == ["auto", "cpu", "cuda", "cuda:1"]
+    assert make(seed=-(2**40) + 1).seed < 0
+
+
+def test_a_cuda_device_this_machine_lacks_is_one_line_before_anything_loads(monkeypatch):
+    from openrlhf_lopti.errors import UserError
+    from openrlhf_lopti.local.trainer import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match=r"^--device cuda:1: torch .* sees 0 CUDA device\(s\) here; use --device cpu"):
+        resolve_device("cuda:1")
+    assert resolve_device("auto") == torch.device("cpu")
 
 
 def test_eta_zero_means_lopti_off_as_in_the_openrlhf_cli():
@@ -163,3 +184,13 @@ def test_a_config_saved_before_the_eta_and_quantile_rule_resumes_with_its_quanti
     (tmp_path / "config.json").write_text(json.dumps({**saved, "eta": 0.5}))
     cfg = config_from_args(build_parser().parse_args(["--out", str(tmp_path), "--resume"]))
     assert (cfg.eta, cfg.lopti_quantile, cfg.lopti) == (None, 0.3, True)
+
+
+def test_a_bad_people_list_names_the_expected_form():
+    from openrlhf_lopti.errors import UserError
+    from openrlhf_lopti.local.cli import build_parser
+
+    with pytest.raises(UserError, match=r"^argument --people: expected comma-separated K&K sizes, e\.g\. 3,4,5, "
+                                        r"got '3,x' \(see"):  # fmt: skip
+        build_parser().parse_args(["--people", "3,x"])
+    assert build_parser().parse_args(["--people", "3, 4,"]).people == [3, 4]

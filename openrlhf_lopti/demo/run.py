@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
-from openrlhf_lopti.local.config import METHODS, TrainConfig, method_settings
+from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig, method_settings
 from openrlhf_lopti.local.evaluation import greedy_eval
 from openrlhf_lopti.local.model import load_model, quiet_transformers
 from openrlhf_lopti.local.plots import plot_runs
@@ -151,6 +151,13 @@ def main(argv: Optional[list] = None) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.threads < 0:
         raise UserError(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
+    if not 0.0 <= args.warmup_target <= 1.0:
+        raise UserError(f"--warmup-target must be an accuracy in [0, 1], got {args.warmup_target}")
+    for method in methods:  # every run's settings, checked before the warm-up spends minutes and writes its model
+        try:
+            method_config(Path(args.out or "runs/demo"), method, args)
+        except ConfigError as e:  # the demo's flags are the trainer's names (--lr, --eval-prompts, --seed, ...)
+            raise e.as_flag_error() from None
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)

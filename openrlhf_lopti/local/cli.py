@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         if f.name == "people":
-            p.add_argument(flag, type=lambda s: [int(x) for x in s.split(",") if x], help=HELP[f.name])
+            p.add_argument(flag, type=people_list, help=HELP[f.name])
         elif isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=HELP[f.name])
         elif f.name in ("eta", "lopti_quantile"):  # None by default: unset
@@ -112,9 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def flag_of(field: str) -> str:
-    """The command-line flag of a :class:`TrainConfig` field: ``lopti_order`` -> ``--lopti-order``."""
-    return "--" + field.replace("_", "-")
+def people_list(text: str) -> list:
+    """``--people 3,4,5`` -> ``[3, 4, 5]``."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated K&K sizes, e.g. 3,4,5, got {text!r}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -148,8 +151,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     try:
         return TrainConfig.from_dict(values)
     except ConfigError as e:  # the config names its field; the user typed a flag
-        text = str(e)
-        raise UserError(flag_of(e.field) + text[len(e.field) :] if text.startswith(e.field) else text) from None
+        raise e.as_flag_error() from None
 
 
 def main(argv: Optional[list] = None) -> int:

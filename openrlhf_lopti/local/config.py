@@ -8,10 +8,12 @@ tokens, 50 AR+Lopti steps on the demo's model lowered its reward (issue 40).
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
 from openrlhf_lopti.algo import KL_ESTIMATORS, LoptiSettings, check_alpha, check_lopti_args, lopti_on, lopti_settings
+from openrlhf_lopti.errors import UserError
 
 from .advantages import ESTIMATORS
 from .task import PROMPT_STYLES
@@ -21,6 +23,8 @@ OPTIMIZERS = ("adamw", "sgd")
 # Whose optimizer state a Lopti phase steps with: "shared" (the paper's code: one optimizer, so phase 2's step
 # carries the moments phase 1 just filled) or "per-phase" (phase k keeps its own moments from step to step).
 LOPTI_MOMENTS = ("shared", "per-phase")
+SEED_LIMIT = 2**40  # the derived seeds (seed * 1_000_003 + step) then fit a torch generator's int64
+DEVICE_FORM = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 # The four methods the demo compares: name -> (alpha, lopti). AR's alpha = 0.3 is the paper's K&K value.
 METHODS = {
@@ -37,6 +41,11 @@ class ConfigError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+    def as_flag_error(self) -> UserError:
+        """The same message as a command's :class:`UserError`, naming the field's flag (``--lopti-order``)."""
+        text, flag = str(self), "--" + self.field.replace("_", "-")
+        return UserError(flag + text[len(self.field) :] if text.startswith(self.field) else text)
 
 
 @dataclass
@@ -164,6 +173,10 @@ class TrainConfig:
             raise ConfigError("eps_low", f"eps_low must be in [0, 1), got {self.eps_low!r}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError("kl_estimator", f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not abs(self.seed) < SEED_LIMIT:
+            raise ConfigError("seed", f"seed must be an integer with |seed| < 2**40, got {self.seed!r}")
+        if not isinstance(self.device, str) or not DEVICE_FORM.fullmatch(self.device):
+            raise ConfigError("device", f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError("dtype", f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         self._validate_data()
@@ -191,6 +204,12 @@ class TrainConfig:
             if "{}" not in self.input_template:
                 raise ConfigError("input_template", f"input_template must contain {{}} where the prompt goes, "
                                   f"got {self.input_template!r}")  # fmt: skip
+            try:  # filled as OpenRLHF fills it: str.format with the prompt
+                self.input_template.format("prompt")
+            except (IndexError, KeyError, ValueError) as e:
+                raise ConfigError("input_template", f"input_template is a str.format template with one {{}} for the "
+                                  f"prompt; write a literal brace as {{{{ or }}}} (\\boxed{{{{}}}}), got "
+                                  f"{self.input_template!r} ({type(e).__name__}: {e})") from None  # fmt: skip
 
     @property
     def step_lr(self) -> float:

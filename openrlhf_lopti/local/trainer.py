@@ -44,10 +44,17 @@ RUN_OUTPUTS = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, PLOT_FILE, FINAL_MODE
 
 
 def resolve_device(device: str) -> torch.device:
-    """``"auto"`` -> cuda if available else cpu; anything else as given."""
+    """``"auto"`` -> cuda if available else cpu; anything else as given, refused (before anything is loaded) when
+    this machine has no such device."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (resolved.index or 0) >= count:
+            raise UserError(f"--device {device}: torch {torch.__version__} sees {count} CUDA device(s) here; "
+                            "use --device cpu, or auto")  # fmt: skip
+    return resolved
 
 
 def check_run_dir(
