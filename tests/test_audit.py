@@ -355,3 +355,23 @@ def test_audit_command_from_an_sgd_and_a_per_phase_checkpoint(tmp_path, setup, c
     result = json.loads((tmp_path / "c" / "audit.json").read_text())
     assert result["checkpoint"]["lopti_moments"] == "per-phase"
     assert list(result["correct_direction_by_quartile"]) == ["lopti", "ar+lopti"]
+
+
+@pytest.mark.parametrize("people", ["3,x", "x", ",", "9", "1,3", "2.5"])
+def test_audit_people_must_be_kk_sizes_in_one_line_before_any_model(tmp_path, capsys, monkeypatch, people):
+    """--people 3,x was `ValueError: invalid literal for int()` (a traceback) after the model loaded; now the same
+    one line as `study`'s, before a model is looked at or --out is made."""
+    from openrlhf_lopti.audit import cli as audit_cli
+    from openrlhf_lopti.audit.study import PEOPLE_FORM
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before --people was checked")
+
+    monkeypatch.setattr(audit_cli, "run_audit", no_model)
+    out = tmp_path / "audit"
+    argv = ["audit", "--model", str(tmp_path / "model"), "--out", str(out), "--people", people]
+    assert cli_main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"openrlhf-lopti audit: error: --people {PEOPLE_FORM}, got {people!r}"]
+    assert not out.exists()
+    assert audit_cli.parse_people(" 3, 4") == [3, 4]

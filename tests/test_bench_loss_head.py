@@ -104,3 +104,70 @@ def test_every_row_that_ran_says_what_ran_peers_too(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     assert [r["status"] for r in rows] == ["ok", "ok"], rows
     assert all(r["backend_ran"] == [r["backend"]] for r in rows), rows
+
+
+def _bench_fails(capsys, argv):
+    """``openrlhf-lopti bench ARGV``: exit code 2 and one line on stderr, returned."""
+    from openrlhf_lopti.__main__ import main as cli_main
+
+    assert cli_main(["bench", *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--n", "0"], "--n must be an integer >= 1, got 0"),
+        (["--seq-len", "0"], "--seq-len must be an integer >= 1, got 0"),
+        (["--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
+        (["--v", "0"], "--v must be an integer >= 1, got 0"),
+        (["--n", "0", "--seq-len", "0", "--repeats", "0"], "--n must be an integer >= 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be an integer >= 0, got -1"),
+        (["--seed", "-1"], "--seed must be an integer in [0, 2**64 - 1], got -1"),
+        (["--seed", str(2**64)], f"--seed must be an integer in [0, 2**64 - 1], got {2**64}"),
+        (["--keep-fraction", "nan"], "--keep-fraction must be in (0, 1], got nan"),
+        (["--alpha", "1.7"], "--alpha must be in [0, 1], got 1.7"),
+        (["--alpha", "nan"], "--alpha must be in [0, 1], got nan"),
+        (["--ar-alpha", "-0.1"], "--ar-alpha must be in [0, 1], got -0.1"),
+        (["--eps-low", "3"], "--eps-low must be in [0, 1), got 3.0"),
+        (["--eps-low", "-0.1"], "--eps-low must be in [0, 1), got -0.1"),
+        (["--eps-high", "-1"], "--eps-high must be a finite number >= 0, got -1.0"),
+        (["--eps-high", "inf"], "--eps-high must be a finite number >= 0, got inf"),
+        (["--kl-coef", "nan"], "--kl-coef must be a finite number, got nan"),
+        (["--temperature", "0"], "--temperature must be a finite number > 0, got 0.0"),
+        (["--temperature", "-1"], "--temperature must be a finite number > 0, got -1.0"),
+        (["--temperature", "inf"], "--temperature must be a finite number > 0, got inf"),
+        (["--temperature", "1e-300"], "--temperature must be a finite number > 0, got 1e-300"),
+        (["--device", "foo"], "--device must be cpu, cuda or cuda:<index>, got 'foo'"),
+    ],
+)
+def test_bench_refuses_a_bad_number_in_one_line_before_building_inputs(tmp_path, capsys, monkeypatch, flags, message):
+    """Every numeric flag is checked up front (before: 0 for --n / --seq-len / --repeats silently became the
+    default, and --alpha 1.7 or --eps-low 3 died in a traceback from the loss after the inputs were built)."""
+    from openrlhf_lopti.cli import bench_loss_head
+
+    def no_inputs(cfg):
+        raise AssertionError("inputs built before the flags were checked")
+
+    monkeypatch.setattr(bench_loss_head, "make_inputs", no_inputs)
+    path = tmp_path / "bench.json"
+    argv = ["--device", "cpu", "--n", "16", "--v", "32", "--seq-len", "8", "--repeats", "1", "--warmup", "0",
+            "--backends", "torch", "--ar-alpha", "0", "--json", str(path), *flags]  # fmt: skip
+    assert _bench_fails(capsys, argv) == f"openrlhf-lopti bench: error: {message}"
+    assert not path.exists()
+
+
+def test_bench_as_a_script_reports_a_bad_flag_in_one_line(tmp_path, capsys, monkeypatch):
+    """Run as a script (sys.argv read; benchmarks/bench_policy_loss.py's name), the same one line and exit code 2,
+    no usage block; `openrlhf-lopti bench` names the --help to read."""
+    from benchmarks import bench_policy_loss
+
+    monkeypatch.setattr(sys, "argv", ["bench_policy_loss", "--device", "cpu", "--n", "0"])
+    with pytest.raises(SystemExit, match="2"):
+        bench_policy_loss.main()
+    assert capsys.readouterr().err == "bench_policy_loss: error: --n must be an integer >= 1, got 0\n"
+    line = _bench_fails(capsys, ["--device", "cpu", "--n", "8", "--seq-len", "16", "--json", str(tmp_path / "b.json")])
+    assert line == ("openrlhf-lopti bench: error: --n (8) must be a multiple of --seq-len (16) "
+                    "(see `openrlhf-lopti bench --help`)")  # fmt: skip

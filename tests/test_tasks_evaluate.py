@@ -133,3 +133,91 @@ def test_main_with_a_local_model(tmp_path):
     again = tmp_path / "again"
     assert evaluate.main(["--task", "kk", "--generations", str(out / "generations.jsonl"), "--out", str(again)]) == 0
     assert json.loads((again / "results.json").read_text())["groups"] == res["groups"]
+
+
+def _cli_fails(capsys, argv):
+    """``openrlhf-lopti ARGV``: exit code 2 and one line on stderr, returned."""
+    from openrlhf_lopti.__main__ import main as cli_main
+
+    assert cli_main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_greedy_decoding_with_several_samples_is_refused_before_loading_anything(tmp_path, capsys, monkeypatch):
+    """--temperature 0 is greedy: one answer per prompt, so --n-samples 2 was a transformers traceback after the
+    model loaded (num_return_sequences > 1 without sampling). Now one line, before the model folder is even read."""
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was looked at before the flags were checked")
+
+    generate_local = evaluate.generate_local
+    monkeypatch.setattr(evaluate, "check_model_dir", no_loading)
+    monkeypatch.setattr(evaluate, "generate_local", no_loading)
+    data = tmp_path / "test.jsonl"
+    data.write_text(json.dumps({"prompt": "q", "label": P3[0]["solution_text_format"]}) + "\n")
+    out = tmp_path / "ev"
+    argv = ["eval", "--task", "kk", "--model", str(tmp_path / "model"), "--data", str(data), "--n-samples", "2",
+            "--temperature", "0", "--out", str(out)]  # fmt: skip
+    assert _cli_fails(capsys, argv) == (
+        "openrlhf-lopti eval: error: --temperature 0 is greedy decoding, one answer per prompt: with --n-samples 2 "
+        "pass a --temperature > 0 (the default for --n-samples > 1 is 1.0), or --n-samples 1"
+    )
+    assert _cli_fails(capsys, [*argv[:-4], "--temperature", "inf", "--out", str(out)]) == (
+        "openrlhf-lopti eval: error: --temperature must be a finite number >= 0, got inf"
+    )
+    assert not out.exists()
+    # the library function says the same instead of handing transformers the contradiction
+    with pytest.raises(ValueError, match="n_samples must be 1, got 2"):
+        generate_local(str(tmp_path / "model"), ["q"], n_samples=2, temperature=0.0)
+
+
+@pytest.mark.parametrize("label", [5, None, ["(1) Alice is a knight"]])
+@pytest.mark.parametrize("extra", [[], ["--limit", "1"]])
+@pytest.mark.parametrize("num_people", [None, 1])
+def test_a_kk_label_that_is_not_a_string_names_the_file_and_line(tmp_path, capsys, label, extra, num_people):
+    """A K&K label must be the solution_text_format string; an int or null one was `TypeError: label must be str`
+    (a traceback) from kk.parse_solution_text, with or without num_people and --limit."""
+    gens = tmp_path / "gens.jsonl"
+    rows = [{"label": P3[0]["solution_text_format"], "response": right(P3[0])},
+            {"label": label, "response": "<think>x</think><answer>Alice is a knight</answer>"}]  # fmt: skip
+    if num_people is not None:
+        rows[1]["num_people"] = num_people
+    gens.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["eval", "--task", "kk", "--generations", str(gens), "--out", str(tmp_path / "ev"), *extra]
+    assert _cli_fails(capsys, argv) == (
+        f"openrlhf-lopti eval: error: {gens} line 2: 'label' must be a string (the K&K "
+        f"solution_text_format, e.g. \"(1) Alice is a knight\"), got {type(label).__name__} {str(label)[:60]!r}"
+    )
+    assert not (tmp_path / "ev").exists()
+
+
+def test_a_math_label_must_be_a_string_or_a_number(tmp_path, capsys, monkeypatch):
+    """A math answer may be a JSON number (5 reads as "5"); null or a list was scored against "None" / "[...]"."""
+    gens = tmp_path / "gens.jsonl"
+    gens.write_text(json.dumps({"label": 5, "response": "\\boxed{5}"}) + "\n")
+    assert evaluate.main(["--task", "math", "--generations", str(gens), "--out", str(tmp_path / "ok")]) == 0
+    assert json.loads((tmp_path / "ok" / "results.json").read_text())["average"] == 1.0
+    capsys.readouterr()
+    gens.write_text(json.dumps({"label": 5, "response": "\\boxed{5}"}) + "\n"
+                    + json.dumps({"label": None, "response": "\\boxed{None}"}) + "\n")  # fmt: skip
+    assert _cli_fails(capsys, ["eval", "--task", "math", "--generations", str(gens), "--out", str(tmp_path / "ev")]) == (
+        f"openrlhf-lopti eval: error: {gens} line 2: 'label' must be a string or a number (the math "
+        "answer), got NoneType 'None'"
+    )
+    # with --model the --data labels are checked before generating
+    def no_generating(*args, **kwargs):
+        raise AssertionError("generated before the labels were checked")
+
+    monkeypatch.setattr(evaluate, "check_model_dir", lambda path: None)
+    monkeypatch.setattr(evaluate, "generate_local", no_generating)
+    data = tmp_path / "test.jsonl"
+    data.write_text(json.dumps({"prompt": "q", "answer": [1]}) + "\n")
+    argv = ["eval", "--task", "math", "--model", str(tmp_path / "m"), "--data", str(data), "--label-key", "answer",
+            "--out", str(tmp_path / "ev")]  # fmt: skip
+    assert _cli_fails(capsys, argv) == (
+        f"openrlhf-lopti eval: error: {data} line 1: 'answer' must be a string or a number (the math answer), "
+        "got list '[1]'"
+    )
+    assert not (tmp_path / "ev").exists()

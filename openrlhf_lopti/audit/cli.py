@@ -49,6 +49,7 @@ from .measure import (
     sample_per_bin,
 )
 from .report import format_table, plot, write_json
+from .study import PEOPLE_FORM
 
 
 # What an audit writes into --out: exactly what --overwrite removes (other files there stay).
@@ -94,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Settings of the audited batch and update when neither a flag nor a checkpointed run gives them.
 DEFAULTS = {"prompts": 32, "n_samples": 8, "temperature": 0.7, "people": [2], "lr": 5e-4, "eta": 0.5}
+
+
+def parse_people(text: str) -> list:
+    """``--people`` ("3" or "3,4") as a list of K&K sizes; :class:`UserError` with the expected form otherwise."""
+    try:
+        people = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--people {PEOPLE_FORM}, got {text!r}") from None
+    if not people or any(not 2 <= n <= 8 for n in people):
+        raise UserError(f"--people {PEOPLE_FORM}, got {text!r}")
+    return people
 
 
 def load_checkpointed_run(run_dir: str | os.PathLike, device: torch.device) -> tuple:
@@ -150,7 +162,7 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     if isinstance(args.people, str):
-        args.people = [int(x) for x in args.people.split(",") if x]
+        args.people = parse_people(args.people)
     args.optimizer = args.optimizer or ("checkpoint" if args.checkpoint else "fresh-adamw")
     style = resolve_prompt_style(args.prompt_style, tokenizer, style)
     max_new = args.max_new_tokens or (20 if style == "compact" else 512)
@@ -226,6 +238,8 @@ def main(argv: Optional[list] = None) -> int:
         raise UserError("--optimizer checkpoint needs --checkpoint RUN_DIR (a `train` run directory)")
     if args.param_grad_tokens < 0:
         raise UserError("--param-grad-tokens must be >= 0")
+    if args.people is not None:
+        args.people = parse_people(args.people)  # before a model is built or loaded
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or any(m not in METHODS for m in methods):
         raise UserError(f"--methods must be a subset of {','.join(METHODS)}, got {args.methods!r}")

@@ -39,8 +39,10 @@ rows rerun our backends with ``alpha=--ar-alpha``. The issue's goals are evaluat
 
 import argparse
 import json
+import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -49,6 +51,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
 
 
 def default_results_dir() -> Path:
@@ -445,8 +449,51 @@ def format_table(rows: list, summary: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ CLI
-def parse_args(argv: Optional[list], prog: str = "openrlhf-lopti bench") -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+COMMAND = "openrlhf-lopti bench"
+SEED_MAX = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _finite32(value: float) -> bool:
+    """A finite number that float32, the kernels' parameter type, holds."""
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Raise :class:`UserError` naming the first flag whose value the benchmark (or the loss it times) cannot take.
+
+    Called on the flags as given, before any default is filled in or any input built; the loss's own ranges
+    (``fused_policy_loss``): alpha in [0, 1], eps_low in [0, 1), eps_high >= 0, kl_coef and temperature finite,
+    temperature > 0.
+    """
+    for flag in ("n", "v", "seq_len", "repeats"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {value}")
+    if args.warmup is not None and args.warmup < 0:
+        raise UserError(f"--warmup must be an integer >= 0, got {args.warmup}")
+    if not 0 <= args.seed <= SEED_MAX:
+        raise UserError(f"--seed must be an integer in [0, 2**64 - 1], got {args.seed}")
+    if not 0.0 < args.keep_fraction <= 1.0:  # also refuses NaN
+        raise UserError(f"--keep-fraction must be in (0, 1], got {args.keep_fraction}")
+    for flag in ("alpha", "ar_alpha"):
+        value = getattr(args, flag)
+        if not 0.0 <= value <= 1.0:
+            raise UserError(f"--{flag.replace('_', '-')} must be in [0, 1], got {value}")
+    if not 0.0 <= args.eps_low < 1.0:
+        raise UserError(f"--eps-low must be in [0, 1), got {args.eps_low}")
+    if not (args.eps_high >= 0.0 and _finite32(args.eps_high)):
+        raise UserError(f"--eps-high must be a finite number >= 0, got {args.eps_high}")
+    if not _finite32(args.kl_coef):
+        raise UserError(f"--kl-coef must be a finite number, got {args.kl_coef}")
+    if not (args.temperature > 0.0 and _finite32(args.temperature) and _finite32(1.0 / args.temperature)):
+        raise UserError(f"--temperature must be a finite number > 0, got {args.temperature}")
+
+
+def parse_args(argv: Optional[list], prog: str = COMMAND) -> argparse.Namespace:
+    """The flags of ``argv``, checked and with the device's defaults filled in; :class:`UserError` (one line) for
+    a bad one."""
+    parser = ArgumentParser(
         prog=prog,
         description="The fused policy loss against OpenRLHF 0.11.2's actor path, side by side on the same inputs "
         "in one run: one forward + backward of the loss head per backend, time and peak memory.",
@@ -471,22 +518,24 @@ def parse_args(argv: Optional[list], prog: str = "openrlhf-lopti bench") -> argp
     parser.add_argument("--json", default=None, help="exact JSON path (overrides --out)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing JSON file")
     args = parser.parse_args(argv)
+    check_numbers(args)
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", args.device):
+        raise UserError(f"--device must be cpu, cuda or cuda:<index>, got {args.device!r}")
     gpu = args.device.startswith("cuda")
     if gpu and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
-    args.n = args.n or (16384 if gpu else 256)
-    args.v = args.v or (151936 if gpu else 4096)
-    args.seq_len = args.seq_len or min(1024, args.n)
-    args.repeats = args.repeats or (10 if gpu else 3)
+        parser.error(f"--device {args.device}: no CUDA device is available")
+    if gpu and ":" in args.device and int(args.device.partition(":")[2]) >= torch.cuda.device_count():
+        parser.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    # `is None`, not `or`: a 0 given was refused above, never silently replaced by the default
+    args.n = args.n if args.n is not None else (16384 if gpu else 256)
+    args.v = args.v if args.v is not None else (151936 if gpu else 4096)
+    args.seq_len = args.seq_len if args.seq_len is not None else min(1024, args.n)
+    args.repeats = args.repeats if args.repeats is not None else (10 if gpu else 3)
     args.warmup = args.warmup if args.warmup is not None else (2 if gpu else 1)
-    if min(args.n, args.v, args.seq_len, args.repeats) <= 0 or args.warmup < 0:
-        parser.error("--n, --v, --seq-len and --repeats must be positive, --warmup >= 0")
     if args.n % args.seq_len:
         parser.error(f"--n ({args.n}) must be a multiple of --seq-len ({args.seq_len})")
-    if not 0.0 < args.keep_fraction <= 1.0:
-        parser.error("--keep-fraction must be in (0, 1]")
     default = ("openrlhf", "torch", "triton", "triton-step", "triton-onepass", "liger") + (() if gpu else ("cpp",))
     args.backends = tuple(args.backends.split(",")) if args.backends else default
     unknown = set(args.backends) - set(ALL_BACKENDS)
@@ -500,8 +549,23 @@ def parse_args(argv: Optional[list], prog: str = "openrlhf-lopti bench") -> argp
     return args
 
 
-def main(argv: Optional[list] = None, prog: str = "openrlhf-lopti bench") -> int:
-    """Run the benchmark with command-line ``argv`` (``--help`` lists them); prints the table, writes the JSON."""
+def main(argv: Optional[list] = None, prog: str = COMMAND) -> int:
+    """Run the benchmark with command-line ``argv`` (``--help`` lists them); prints the table, writes the JSON.
+
+    As ``openrlhf-lopti bench`` (``argv`` given, ``prog`` the default) a bad flag raises :class:`UserError`, which
+    the command reports in one line. As an entry point of its own (no ``argv``: ``sys.argv`` is read; or another
+    ``prog``: ``benchmarks/bench_policy_loss.py``) it reports the error itself: one line ``<prog>: error: ...`` on
+    stderr, then ``SystemExit(2)`` as argparse's exit did (the traceback instead with ``--debug``).
+    """
+    if argv is not None and prog == COMMAND:
+        return _run(argv, prog)
+    code = run_command(prog, lambda words: _run(words, prog), sys.argv[1:] if argv is None else list(argv))
+    if code == 2:
+        raise SystemExit(2)
+    return code
+
+
+def _run(argv: list, prog: str) -> int:
     args = parse_args(argv, prog)
     gpu = args.device.startswith("cuda")
     if not gpu and any(name.startswith("triton") for name in args.backends):
@@ -557,4 +621,4 @@ def main(argv: Optional[list] = None, prog: str = "openrlhf-lopti bench") -> int
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main())  # no argv: main reports a bad flag in one line itself

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Iterable
@@ -97,6 +98,7 @@ def first_per_group(records: list, task: str, limit: int | None, where: list[str
     for i, rec in enumerate(records):
         at = where[i] if where is not None else f"record {i + 1}"
         prompt = rec.get("id", json.dumps(rec.get("prompt", i), sort_keys=True))
+        _check_label(rec, task, at)
         group = _checked_group(group_of, rec, at)
         prompts = kept.setdefault(group, set())
         if prompt in prompts or len(prompts) < limit:
@@ -105,10 +107,24 @@ def first_per_group(records: list, task: str, limit: int | None, where: list[str
     return out
 
 
+def _check_label(rec: dict, task: str, at: str, key: str = "label") -> None:
+    """Raise :class:`UserError` at ``at`` unless ``rec[key]`` (when there) has the task's type: a string for K&K
+    (the solution_text_format), a string or a number for math (the answer)."""
+    if key not in rec:
+        return  # _merge / _prompt_rows name the missing key
+    label = rec[key]
+    if task == "kk" and not isinstance(label, str):
+        raise UserError(f"{at}: {key!r} must be a string (the K&K solution_text_format, e.g. \"(1) Alice is a "
+                        f"knight\"), got {type(label).__name__} {str(label)[:60]!r}")  # fmt: skip
+    if task == "math" and (isinstance(label, bool) or not isinstance(label, (str, int, float))):
+        raise UserError(f"{at}: {key!r} must be a string or a number (the math answer), got {type(label).__name__} "
+                        f"{str(label)[:60]!r}")  # fmt: skip
+
+
 def _checked_group(group_of, rec: dict, at: str) -> str:
     try:
         return group_of(rec)
-    except (KeyError, ValueError) as e:  # a K&K label that does not parse
+    except (KeyError, ValueError, TypeError) as e:  # a K&K label that does not parse
         raise UserError(f"{at}: cannot tell the K&K size from 'label' {str(rec.get('label'))[:60]!r} ({e}); "
                         "add num_people or fix the label")  # fmt: skip
 
@@ -145,10 +161,11 @@ def evaluate(records: Iterable[dict], task: str, where: list[str] | None = None)
     for rec, at in _merge(records, where):
         if not rec["responses"]:
             continue
+        _check_label(rec, task, at)
         group = _checked_group(group_of, rec, at)
         try:
             scored = [score(r, rec["label"]) for r in rec["responses"]]
-        except ValueError as e:  # kk.reward_parts refuses a label that is not a solution_text_format
+        except (ValueError, TypeError) as e:  # kk.reward_parts refuses a label that is not a solution_text_format
             raise UserError(f"{at}: 'label' is not a K&K solution ({e}); is --task right?") from None
         groups.setdefault(group, []).append(scored)
 
@@ -205,8 +222,12 @@ def generate_local(
     """Responses of a local Hugging Face causal LM: `n_samples` per prompt (chat messages or text).
 
     Message lists go through the tokenizer's chat template (plain-text rendering when it has none),
-    matching OpenRLHF's `--data.apply_chat_template`. temperature 0 means greedy decoding.
+    matching OpenRLHF's `--data.apply_chat_template`. temperature 0 means greedy decoding, which has one answer
+    per prompt: it needs ``n_samples == 1``.
     """
+    if temperature == 0 and n_samples > 1:
+        raise ValueError(f"temperature 0 is greedy decoding (one answer per prompt): n_samples must be 1, "
+                         f"got {n_samples}")  # fmt: skip
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -287,8 +308,12 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if args.temperature is not None and not args.temperature >= 0:
-        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.temperature is not None and not (args.temperature >= 0 and math.isfinite(args.temperature)):
+        raise UserError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.model and args.temperature == 0 and args.n_samples > 1:
+        raise UserError(f"--temperature 0 is greedy decoding, one answer per prompt: with --n-samples "
+                        f"{args.n_samples} pass a --temperature > 0 (the default for --n-samples > 1 is 1.0), or "
+                        "--n-samples 1")  # fmt: skip
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
 
@@ -305,6 +330,7 @@ def _prompt_rows(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
                 raise UserError(f"{at}: no {key!r} key (the row has {keys}); pass {flag} with the right field name")
         if not isinstance(row[args.input_key], (str, list)):
             raise UserError(f"{at}: {args.input_key!r} must be a string or a list of chat messages")
+        _check_label(row, args.task, at, args.label_key)
     rows = [{**row, "label": row[args.label_key]} for row in rows]
     keep = first_per_group(rows, args.task, args.limit, where)
     return [rows[i] for i in keep], [where[i] for i in keep]
