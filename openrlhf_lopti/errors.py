@@ -31,7 +31,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def run_command(prog: str, main: Callable[[list], Optional[int]], argv: list) -> int:
-    """Run ``main(argv)`` and turn a :class:`UserError` into ``"<prog>: error: <message>"`` and exit code 2.
+    """Run ``main(argv)`` and turn a :class:`UserError` into ``"<prog>: error: <message>"`` and exit code 2, a
+    Ctrl-C into ``"<prog>: interrupted"`` and exit code 130 (the shell's for SIGINT).
 
     ``--debug`` anywhere in ``argv`` is removed before ``main`` sees it and lets the exception (and its
     traceback) through instead.
@@ -46,4 +47,9 @@ def run_command(prog: str, main: Callable[[list], Optional[int]], argv: list) ->
         message = " ".join(str(exc).split("\n"))  # one line, whatever the message held
         print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the user's own stop, not a bug (a run folder keeps its last checkpoint)
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 

@@ -285,6 +285,20 @@ def test_unknown_command_and_bad_demo_flags(capsys):
     )
 
 
+def test_ctrl_c_is_one_line_and_exit_130_and_debug_keeps_the_traceback(capsys):
+    """Ctrl-C printed an 82-line KeyboardInterrupt traceback (a user's own stop, not a bug): now one line, the shell's
+    exit code for SIGINT; --debug lets the exception through."""
+    from openrlhf_lopti.errors import run_command
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    assert run_command("openrlhf-lopti train", interrupted, ["--out", "r"]) == 130
+    assert capsys.readouterr().err == "openrlhf-lopti train: interrupted\n"
+    with pytest.raises(KeyboardInterrupt):
+        run_command("openrlhf-lopti train", interrupted, ["--debug"])
+
+
 # ------------------------------------------------------------------------------------- the real process
 
 
