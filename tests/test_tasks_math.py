@@ -296,3 +296,149 @@ def test_is_equiv_type_errors():
 def test_prompt_text_carries_the_problem():
     text = m.prompt_text("What is 1+1?")
     assert text.count("What is 1+1?") == 1 and m.SYSTEM_PROMPT in text
+
+
+# ---- Found by an audit, each reproduced first (the case failed before its fix).
+
+BLOW_UPS = [
+    "((999^{999})^{999})^{999}",  # bracketed nesting got past the chained-power check: hung while parsing
+    "(999^{999})^{999}",  # 3 s
+    "\\left(\\left(9^{99}\\right)^{99}\\right)^{99}",
+    "\\frac{1}{999^{999}}^{999}",
+    "\\sqrt{999^{999}}^{999}",
+    "\\exp(999^{999})",  # no power of a power, but exp of a 3000-digit number: hung in evalf
+    "\\exp(\\exp(\\exp(9)))",
+    "\\sin(999^{999}999^{999}999^{999})",
+    "99999999999999999999^{999}",  # a huge literal raised to a power
+    "10^{10^{10}}",
+    "(10^{9})!",  # factorials: '!' is not on the whitelist
+    "99999!",
+]
+
+
+@pytest.mark.parametrize("blow_up", BLOW_UPS)
+def test_blow_ups_are_refused_before_sympy(blow_up):
+    # The guard is checked first: _sympy_text is what sympy would be given, and it is refused without sympy.
+    assert m._sympy_text(m.normalize(blow_up)) is None
+    assert m.reward("\\boxed{" + blow_up + "}", "2") == 0.0
+
+
+def test_log_size_bounds_every_number_sympy_builds():
+    assert 3.0 < m._log_size("2**(10)") < 3.02  # 1024
+    assert 300 < m._log_size(" sqrt (2)**(999)") < 301  # 2^499.5 is sized as 2^999: an upper bound
+    assert m._log_size("2**(999)*2**(999)") is None  # 600 digits: over the 400 allowed
+    for nested in ("((999**(999))**(999))**(999)", "(9**(9))**(9)**(9)", "  exp  (999**(999))", "((1)/(7**(999)))"):
+        assert m._log_size(nested) is None, nested
+    assert m._log_size("  exp  (  exp  (5))") is not None  # e^148 ~ 10^64: nested exp is fine while small
+    for bad in ("1 +", "(1", "1)", " sqrt  4", "2 ** * 3", "xy"):  # what sympy could not parse either
+        assert m._log_size(bad) is None, bad
+    # Still compared: big intermediates whose values are small.
+    assert m.is_equiv("\\frac{2^{100}}{2^{99}}", "2")
+    assert m.is_equiv("(\\sqrt{2})^{10}", "32")
+    assert m.is_equiv("\\exp(\\ln(3))", "3")
+
+
+MIXED_EQUIVALENT = [
+    ("3\\frac{1}{2}", "\\frac{7}{2}"),
+    ("3\\frac12", "3.5"),
+    ("3 \\tfrac{1}{2}", "7/2"),
+    ("2\\dfrac{1}{4}", "\\frac{9}{4}"),
+    ("-3\\frac{1}{2}", "-\\frac{7}{2}"),  # -(3 + 1/2), not -3 + 1/2
+    ("(1, 2\\frac{1}{2})", "(1, 2.5)"),  # list items are normalised one by one
+    ("2\\sqrt{3}", "\\sqrt{12}"),  # products stay products
+    ("3\\pi", "\\pi\\cdot 3"),
+    ("2\\frac{x}{3}", "\\frac{2x}{3}"),
+]
+MIXED_DIFFERENT = [
+    ("3\\frac{1}{2}", "\\frac{3}{2}"),  # was read as 3 * 1/2
+    ("2\\frac{1}{4}", "\\frac{1}{2}"),
+    ("-3\\frac{1}{2}", "-\\frac{5}{2}"),
+    ("3\\frac{1}{2}", "3"),
+]
+
+
+@pytest.mark.parametrize("pred, truth", MIXED_EQUIVALENT)
+def test_mixed_numbers_equivalent(pred, truth):
+    assert m.is_equiv(pred, truth) and m.is_equiv(truth, pred)
+
+
+@pytest.mark.parametrize("pred, truth", MIXED_DIFFERENT)
+def test_mixed_numbers_different(pred, truth):
+    assert not m.is_equiv(pred, truth) and not m.is_equiv(truth, pred)
+
+
+def test_normalize_mixed_numbers():
+    assert m.normalize("3\\frac{1}{2}") == "\\frac{7}{2}"
+    assert m.normalize("-3\\dfrac12") == "-\\frac{7}{2}"
+    assert m.normalize("3\\frac{5}{2}") == "3\\frac{5}{2}"  # not a proper fraction: not a mixed number
+
+
+NUMBER_WORDS_EQUIVALENT = [
+    ("10{,}000", "10000"),  # LaTeX's {,} thousands separator
+    ("1{,}000{,}000", "1000000"),
+    ("10,000", "10{,}000"),
+    ("\\$1{,}500", "1500"),
+    ("5 million", "5000000"),  # magnitude words are read as numbers
+    ("1.5 thousand", "1500"),
+    ("2 billion dollars", "2000000000"),
+    ("x = 5 million", "5000000"),
+    ("3 dozen", "36"),
+    ("12\\text{ cm}^2", "12"),  # a unit with a power is still a unit
+    ("12\\,\\mathrm{ft}^{3}", "12"),
+]
+NUMBER_WORDS_DIFFERENT = [
+    ("5 million", "5"),  # were stripped as units
+    ("1 thousand", "1"),
+    ("2 thousandths", "2"),
+    ("3 dozen", "3"),
+    ("5 hundred thousand", "500"),
+    ("3{,}14", "14,3"),  # a decimal comma is not a list
+    ("12 x^2", "12"),  # x^2 is no unit
+]
+
+
+@pytest.mark.parametrize("pred, truth", NUMBER_WORDS_EQUIVALENT)
+def test_number_words_equivalent(pred, truth):
+    assert m.is_equiv(pred, truth) and m.is_equiv(truth, pred)
+
+
+@pytest.mark.parametrize("pred, truth", NUMBER_WORDS_DIFFERENT)
+def test_number_words_different(pred, truth):
+    assert not m.is_equiv(pred, truth) and not m.is_equiv(truth, pred)
+
+
+def test_normalize_number_words():
+    assert m.normalize("10{,}000") == "10000"
+    assert m.normalize("3{,}14") == "3{,}14"
+    assert m.normalize("5 million") == "5000000"
+    assert m.normalize("0.125 dozen") == "3/2"
+    assert m.normalize("5 millionaires") == "5millionaires"  # neither a magnitude nor a unit
+    assert m.normalize("x = 5 cm") == "5"  # the "x = " prefix goes first, then the unit
+
+
+# sympy's own evaluation loops for ever on some short answers (Mul.flatten, sympy issue 25176; an evalf chase):
+# the tree is parsed unevaluated and computed by _value (exact fractions, else mpmath at fixed precision).
+SYMPY_LOOPS = [
+    "\\sqrt{\\frac{\\sqrt[3]{\\sqrt{13}}}{0.5}}",
+    "(25\\sqrt[3]{3}/4)^{1/4}",
+    "\\frac{0.5}{\\sqrt[3]{2}}^{x}",
+]
+
+
+@pytest.mark.parametrize("answer", SYMPY_LOOPS)
+def test_answers_sympy_loops_on_are_still_compared(answer):
+    assert m.is_equiv(answer, "(" + answer + ")\\cdot 1")
+    assert not m.is_equiv(answer, "2")
+
+
+def test_value_computes_without_sympy_evaluation():
+    import mpmath
+    import sympy
+
+    ctx = mpmath.MPContext()
+    root = sympy.Pow(13, sympy.Rational(1, 6), evaluate=False)
+    tree = sympy.Pow(sympy.Mul(sympy.Float("2.0"), root, evaluate=False), sympy.S.Half, evaluate=False)
+    assert abs(complex(m._value(tree, {}, ctx)) - 2**0.5 * 13 ** (1 / 12)) < 1e-12  # sympy's sqrt(...) never returns
+    x = sympy.Symbol("x")
+    assert m._value(sympy.Pow(x, 3, evaluate=False), {x: m.Fraction(13, 7)}, ctx) == m.Fraction(13, 7) ** 3  # exact
+    assert not m.is_equiv("\\tan((\\sin(\\pi))^{-99})", "2")  # an evalf precision chase: past 10^400, no value

@@ -5,19 +5,25 @@ the ground-truth answer, else 0.0 (paper Sec. 5.2: DeepScaleR-style rule, no for
 
 Equivalence, tried in order (the first that decides wins):
 1. identical after LaTeX normalisation (`normalize`: \left/\right, \dfrac, \text{..}, units, degrees,
-   percent, "x = " prefixes, thousands separators, \frac12, spacing, ...);
+   percent, "x = " prefixes, thousands separators (1,000, 1{,}000), \frac12, spacing, mixed numbers
+   (3\frac12 -> \frac{7}{2}), magnitude words (5 million -> 5000000; never stripped as a unit), ...);
 2. both are numbers (integers, decimals, a/b, \frac{a}{b}): exact rational comparison;
 3. both are comma lists of the same kind: item by item (tuples and intervals in order, sets and bare
    lists in any order);
 4. both are words ("Yes", "none"): case-insensitive comparison;
 5. both are short algebraic expressions: parsed with sympy (on a whitelist of characters and names, so
-   nothing the model writes can run as code or blow up) and compared numerically at fixed points.
+   nothing the model writes can run as code; and only after `_log_size` has bounded every number the
+   expression builds: no nested power, exp of a power, ...), then computed at fixed points by `_value`
+   (exact fractions, else mpmath at fixed precision; sympy's own evaluation can loop for ever) and
+   compared numerically, so nothing can blow up.
 """
 
 from __future__ import annotations
 
 import re
 from fractions import Fraction
+from math import e as _E
+from math import log10
 
 from openrlhf_lopti.tasks import messages_to_text
 
@@ -79,9 +85,20 @@ def last_boxed(text: str) -> str | None:
 _DROP = ("\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\\quad", "\\qquad", "\\ ")
 _SPACES = ("\\,", "\\;", "\\:", "\\quad", "\\qquad", "\\ ")  # of _DROP, those that stand for a space
 _TEXT_CMDS = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}")
+# Magnitude words are numbers, not units: "5 million" is not 5 (nor "2 thousandths", "3 dozen").
+_MAGNITUDES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12, "dozen": 12}
+_MAGNITUDE_WORDS = "|".join(_MAGNITUDES)
 _UNIT_SUFFIX = re.compile(
-    r"([-+]?[\d.,]+(?:/\d+)?)\s+(?!(?:pi|sqrt|and|or|i)\b)[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*\.?"
+    r"([-+]?[\d.,]+(?:/\d+)?)\s+(?!(?:pi|sqrt|and|or|i)\b|(?:" + _MAGNITUDE_WORDS + r"))"
+    r"[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*\.?"
 )
+_MAGNITUDE = re.compile(  # the trailing words are units; "5 hundred thousand" is left alone
+    r"([-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)\s*(" + _MAGNITUDE_WORDS + r")s?"
+    r"(?:\s+(?!" + _MAGNITUDE_WORDS + r")[a-zA-Z]+)*\.?"
+)
+# A whole number then a proper fraction, the whole answer: MATH's "express as a mixed number". sympy would
+# read 3\frac{1}{2} as the product 3/2; 2\sqrt{3}, 3\pi, 2\frac{x}{3} stay products.
+_MIXED_NUMBER = re.compile(r"([-+]?)(\d+)\\frac\{(\d+)\}\{(\d+)\}")
 _VAR_PREFIX = re.compile(r"[a-zA-Z](?:_\{?[a-zA-Z0-9]+\}?)?\s*=\s*(.+)", re.DOTALL)
 
 
@@ -99,16 +116,22 @@ def normalize(answer: str) -> str:
     for token in _DROP:
         s = s.replace(token, " " if token in _SPACES else "")
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"(\\(?:text|mathrm|mbox)\s*\{\s*[a-zA-Z]{2,}\s*\})\^\{?[23]\}?", r"\1", s)  # \text{cm}^2: a unit
     s = _TEXT_CMDS.sub(r"\1", s)
+    s = re.sub(r"(?<=\d)\{,\}(?=\d{3}(?!\d))", ",", s)  # 10{,}000: LaTeX's thousands separator (3{,}14 stays)
     for token in ("^\\circ", "^{\\circ}", "\\circ", "°", "\\%", "%", "\\$"):
         s = s.replace(token, "")
     s = s.strip().rstrip(".").strip()
+    m = _VAR_PREFIX.fullmatch(s)  # "x = 5" -> "5" (first, so that "x = 5 cm" loses its unit too)
+    if m and "=" not in m.group(1):
+        s = m.group(1)
     m = _UNIT_SUFFIX.fullmatch(s)  # "5 cm" -> "5" (a unit needs a space: "5x" stays)
     if m:
         s = m.group(1)
-    m = _VAR_PREFIX.fullmatch(s)  # "x = 5" -> "5"
-    if m and "=" not in m.group(1):
-        s = m.group(1)
+    m = _MAGNITUDE.fullmatch(s)  # "5 million (people)" -> "5000000", "1.5 thousand" -> "1500"
+    if m:
+        value = Fraction(m.group(1).replace(",", "")) * _MAGNITUDES[m.group(2)]
+        s = str(value)  # "p/q" when not whole ("1.25 hundred" is whole; "0.125 dozen" is 3/2)
     s = re.sub(r"\s+", "", s)
     s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
     s = re.sub(r"\\frac(\d)\{", r"\\frac{\1}{", s)
@@ -116,6 +139,10 @@ def normalize(answer: str) -> str:
     s = re.sub(r"\\sqrt(\d|[a-zA-Z](?![a-zA-Z]))", r"\\sqrt{\1}", s)
     if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):  # 1,000 -> 1000
         s = s.replace(",", "")
+    m = _MIXED_NUMBER.fullmatch(s)  # 3\frac{1}{2} -> \frac{7}{2}, -3\frac12 -> -\frac{7}{2}: whole + fraction
+    if m and int(m.group(3)) < int(m.group(4)):
+        whole, num, den = int(m.group(2)), int(m.group(3)), int(m.group(4))
+        s = f"{'-' if m.group(1) == '-' else ''}\\frac{{{whole * den + num}}}{{{den}}}"
     s = re.sub(r"(?<![\d}])\.(\d)", r"0.\1", s)  # .5 -> 0.5
     m = re.fullmatch(r"\(([A-Ea-e])\)", s)  # multiple choice "(C)" -> "C"
     if m:
@@ -199,6 +226,108 @@ _EXPONENT_OK = re.compile(
 )
 
 
+# The largest log10 size (max(|v|, 1/|v|): a fraction's numerator and denominator) of any number sympy may
+# build. Past 1e308 the numeric comparison sees inf anyway, and sympy's sqrt, log or rational power of a
+# 2000-digit integer takes seconds (it factors); 400 digits take milliseconds.
+_MAX_LOG10 = 400.0
+_LOG10_SYMBOL = log10(41)  # the sample points are p/q with p, q <= 41
+_LOG10_PI = 0.5  # pi < 10^0.5
+_LOG10_E = log10(_E)
+_TOKENS = re.compile(r"\d+\.?\d*|\.\d+|\*\*|[-+*/()]|[a-zA-Z]+|\S")
+
+
+class _Refused(Exception):
+    pass
+
+
+def _log_size(text: str) -> float | None:
+    r"""Upper bound on the log10 size of every number sympy builds from `text` (a `_sympy_text` string, at the
+    sample points), or None when it is over _MAX_LOG10 or the text does not parse.
+
+    Read on Python's grammar with implicit products, before sympy sees the text: sympy evaluates powers while
+    parsing, so ((999^999)^999)^999 or \exp(999^{999}) would never return. Sizes obey size(a + b) <=
+    2 size(a) size(b), size(a * b), size(a / b) <= size(a) size(b), size(a ** b) <= size(a) ** |b| with
+    |b| <= size(b), whatever the brackets.
+    """
+    toks, i = _TOKENS.findall(text), 0
+
+    def peek() -> str:
+        return toks[i] if i < len(toks) else ""
+
+    def take(expected: str | None = None) -> str:
+        nonlocal i
+        if i >= len(toks) or (expected is not None and toks[i] != expected):
+            raise _Refused
+        i += 1
+        return toks[i - 1]
+
+    def bounded(h: float) -> float:
+        if h > _MAX_LOG10:
+            raise _Refused
+        return h
+
+    def expr() -> float:
+        h = term()
+        while peek() in ("+", "-"):
+            take()
+            h = bounded(h + term() + log10(2))
+        return h
+
+    def term() -> float:
+        h = unary()
+        while True:
+            t = peek()
+            if t in ("*", "/"):
+                take()
+                h = bounded(h + unary())
+            elif t == "(" or t[:1].isalnum() or t[:1] == ".":  # an implicit product: "2 x", "2 (x)"
+                h = bounded(h + power())
+            else:
+                return h
+
+    def unary() -> float:
+        if peek() in ("+", "-"):
+            take()
+            return unary()
+        return power()
+
+    def power() -> float:
+        h = atom()
+        if peek() == "**":
+            take()
+            exponent = unary()  # right-associative, like Python
+            h = bounded(h * 10 ** min(exponent, 5.0))
+        return h
+
+    def atom() -> float:
+        t = take()
+        if t == "(":
+            h = expr()
+            take(")")
+            return h
+        if t[0].isdigit() or t[0] == ".":
+            whole, _, frac = t.partition(".")
+            return bounded(max(log10(max(int(whole + frac or "0"), 2)), len(frac)))
+        if t == "pi":
+            return _LOG10_PI
+        if t in _FUNCS:  # a call; sympy's "sqrt 4" does not parse either
+            take("(")
+            h = expr()
+            take(")")
+            # |exp(a)| and 1/|exp(a)| are at most e^|a|; sqrt shrinks sizes; 1/log(1 + 1/N) ~ N; sin, cos and
+            # tan reduce an argument whose size is bounded.
+            return bounded(10 ** min(h, 5.0) * _LOG10_E) if t == "exp" else h
+        if len(t) == 1 and t.isalpha():
+            return _LOG10_SYMBOL
+        raise _Refused
+
+    try:
+        h = expr()
+        return h if i == len(toks) else None
+    except (_Refused, RecursionError):
+        return None
+
+
 def _replace_command(s: str, cmd: str, nargs: int, fmt: str) -> str | None:
     r"""Rewrite every `cmd{a}{b}` into fmt.format(a, b); None if an argument is not braced."""
     while (i := s.find(cmd)) >= 0:
@@ -245,7 +374,62 @@ def _sympy_text(s: str) -> str | None:
         e = _EXPONENT_OK.match(s, m.end())
         if e is None or s[e.end() :].lstrip().startswith("**"):
             return None
+    if _log_size(s) is None:  # nor bracketed: (999**999)**999, exp(999**999); nor huge numbers at all
+        return None
     return s
+
+
+class _OutOfRange(Exception):
+    pass
+
+
+def _mp(v, ctx):
+    """An exact Fraction as an mpmath complex (mpmath does not take Fractions); an mpmath value unchanged."""
+    return ctx.mpc(ctx.mpf(v.numerator) / v.denominator) if isinstance(v, Fraction) else v
+
+
+def _value(e, point: dict, ctx):
+    """Value of an unevaluated sympy tree: exact (Fraction) while it can be, else an mpmath complex at fixed
+    precision; _OutOfRange past 10^400. sympy's own evaluation is not used: it can loop for ever on answers
+    of 30 characters (Mul.flatten on sqrt(2.0*13**(1/6)), sympy issue 25176; evalf chasing tan(sin(pi)**-99))."""
+    import sympy
+
+    if e.is_Symbol:
+        return point[e]
+    if e.is_Integer or e.is_Rational:
+        return Fraction(int(e.p), int(e.q))
+    if e.is_Float:
+        return Fraction(str(e))
+    if e is sympy.pi:
+        return ctx.pi
+    args = [_value(a, point, ctx) for a in e.args]
+    if e.is_Add or e.is_Mul:
+        v = args[0]
+        for a in args[1:]:
+            if not (isinstance(v, Fraction) and isinstance(a, Fraction)):
+                v, a = _mp(v, ctx), _mp(a, ctx)
+            v = v + a if e.is_Add else v * a
+    elif e.is_Pow:
+        b, x = args
+        if isinstance(b, Fraction) and isinstance(x, Fraction) and x.denominator == 1:
+            if abs(x) * max(b.numerator.bit_length(), b.denominator.bit_length()) > 1400:
+                raise _OutOfRange
+            v = b ** int(x)  # 0 ** -1 raises ZeroDivisionError: a pole
+        else:
+            v = ctx.power(_mp(b, ctx), _mp(x, ctx))
+    elif isinstance(e, (sympy.exp, sympy.log, sympy.sin, sympy.cos, sympy.tan)) and len(args) == 1:
+        a = _mp(args[0], ctx)
+        if isinstance(e, sympy.exp) and ctx.re(a) > 1000:
+            raise _OutOfRange
+        v = getattr(ctx, type(e).__name__)(a)
+    else:
+        raise _OutOfRange  # nothing else is on the whitelist
+    if isinstance(v, Fraction):
+        if max(v.numerator.bit_length(), v.denominator.bit_length()) > 1400:  # ~ 10^420
+            raise _OutOfRange
+    elif not ctx.isfinite(v) or abs(v) > ctx.mpf(10) ** 400:
+        raise _OutOfRange
+    return v
 
 
 def _sympy_equal(a: str, b: str) -> bool | None:
@@ -254,32 +438,40 @@ def _sympy_equal(a: str, b: str) -> bool | None:
     if ta is None or tb is None:
         return None
     try:
+        import mpmath
         import sympy
         from sympy.parsing.sympy_parser import implicit_multiplication, parse_expr, standard_transformations
     except ImportError:  # pragma: no cover - sympy ships with torch
         return None
     names = {f: getattr(sympy, f) for f in _FUNCS}
     names.update(Integer=sympy.Integer, Float=sympy.Float, Rational=sympy.Rational, Symbol=sympy.Symbol)
+    names.update(Add=sympy.Add, Mul=sympy.Mul, Pow=sympy.Pow)  # what evaluate=False writes
     names["__builtins__"] = {}
     letters = {c: sympy.Symbol(c) for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"}
     transforms = standard_transformations + (implicit_multiplication,)
+    ctx = mpmath.MPContext()  # a private context: fixed precision, the global mpmath settings untouched
+    ctx.dps = 30
     try:
-        ea = parse_expr(ta, local_dict=dict(letters), global_dict=dict(names), transformations=transforms)
-        eb = parse_expr(tb, local_dict=dict(letters), global_dict=dict(names), transformations=transforms)
+        # evaluate=False: the parse builds the tree and computes nothing (no power, no simplification).
+        ea, eb = (
+            parse_expr(t, local_dict=dict(letters), global_dict=dict(names), transformations=transforms, evaluate=False)
+            for t in (ta, tb)
+        )
         symbols = sorted(ea.free_symbols | eb.free_symbols, key=str)
         if len(symbols) > 6:
             return None
         # Distinct values per symbol (so x and y never coincide), three points for identities.
         primes = (13, 17, 19, 23, 29, 31, 37, 41)
         points = [
-            {s: sympy.Rational(primes[(k + t) % 8], 7 + 2 * k + t) for k, s in enumerate(symbols)}
+            {s: Fraction(primes[(k + t) % 8], 7 + 2 * k + t) for k, s in enumerate(symbols)}
             for t in range(3 if symbols else 1)
         ]
         checked = 0
         for pt in points:
-            va, vb = complex(ea.subs(pt).evalf(30)), complex(eb.subs(pt).evalf(30))
-            if va != va or vb != vb or abs(va) == float("inf") or abs(vb) == float("inf"):
-                continue  # a pole or NaN at this point says nothing
+            try:
+                va, vb = complex(_value(ea, pt, ctx)), complex(_value(eb, pt, ctx))
+            except (ZeroDivisionError, _OutOfRange):
+                continue  # a pole, or a value past 10^400, at this point says nothing
             if abs(va - vb) > 1e-9 * max(1.0, abs(va), abs(vb)):
                 return False
             checked += 1
