@@ -39,7 +39,6 @@ rows rerun our backends with ``alpha=--ar-alpha``. The issue's goals are evaluat
 
 import argparse
 import json
-import math
 import os
 import platform
 import re
@@ -53,6 +52,7 @@ from typing import Callable, Optional
 import torch
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
+from openrlhf_lopti.ops.fused_policy_loss import check_options
 
 
 def default_results_dir() -> Path:
@@ -451,20 +451,13 @@ def format_table(rows: list, summary: dict) -> str:
 # ------------------------------------------------------------------------------------------------ CLI
 COMMAND = "openrlhf-lopti bench"
 SEED_MAX = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-
-
-def _finite32(value: float) -> bool:
-    """A finite number that float32, the kernels' parameter type, holds."""
-    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
 
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Raise :class:`UserError` naming the first flag whose value the benchmark (or the loss it times) cannot take.
 
-    Called on the flags as given, before any default is filled in or any input built; the loss's own ranges
-    (``fused_policy_loss``): alpha in [0, 1], eps_low in [0, 1), eps_high >= 0, kl_coef and temperature finite,
-    temperature > 0.
+    Called on the flags as given, before any default is filled in or any input built; the loss's options by the
+    loss's own check (``ops.fused_policy_loss.check_options``), its message naming the flag.
     """
     for flag in ("n", "v", "seq_len", "repeats"):
         value = getattr(args, flag)
@@ -476,18 +469,12 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise UserError(f"--seed must be an integer in [0, 2**64 - 1], got {args.seed}")
     if not 0.0 < args.keep_fraction <= 1.0:  # also refuses NaN
         raise UserError(f"--keep-fraction must be in (0, 1], got {args.keep_fraction}")
-    for flag in ("alpha", "ar_alpha"):
-        value = getattr(args, flag)
-        if not 0.0 <= value <= 1.0:
-            raise UserError(f"--{flag.replace('_', '-')} must be in [0, 1], got {value}")
-    if not 0.0 <= args.eps_low < 1.0:
-        raise UserError(f"--eps-low must be in [0, 1), got {args.eps_low}")
-    if not (args.eps_high >= 0.0 and _finite32(args.eps_high)):
-        raise UserError(f"--eps-high must be a finite number >= 0, got {args.eps_high}")
-    if not _finite32(args.kl_coef):
-        raise UserError(f"--kl-coef must be a finite number, got {args.kl_coef}")
-    if not (args.temperature > 0.0 and _finite32(args.temperature) and _finite32(1.0 / args.temperature)):
-        raise UserError(f"--temperature must be a finite number > 0, got {args.temperature}")
+    for flag, alpha in (("--alpha", args.alpha), ("--ar-alpha", args.ar_alpha)):
+        try:
+            check_options(alpha, args.eps_low, args.eps_high, None, args.kl_coef, "k3", args.temperature)
+        except ValueError as e:  # "eps_low must be ..." -> "--eps-low must be ..."; alpha's under its own flag
+            name, rest = str(e).split(" ", 1)
+            raise UserError(f"{flag if name == 'alpha' else '--' + name.replace('_', '-')} {rest}") from None
 
 
 def parse_args(argv: Optional[list], prog: str = COMMAND) -> argparse.Namespace:

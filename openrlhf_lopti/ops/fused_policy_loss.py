@@ -97,6 +97,25 @@ def _check_row_inputs(
     if mask.dtype.is_complex:
         raise ValueError(f"mask must be bool or 0/1, got {mask.dtype}")
 
+    check_options(alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature)
+    if float(kl_coef) != 0 and ref_log_probs is None:
+        raise ValueError("ref_log_probs is required when kl_coef != 0")
+
+    # The values (ids in range, finite floats, finite log-sum-exp per row) are checked by each backend as status
+    # bits in the pass it makes anyway (ops/value_status.py), and read when the check policy says.
+
+
+def check_options(
+    alpha: float,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: Optional[float],
+    kl_coef: float,
+    kl_estimator: str,
+    temperature: float,
+) -> None:
+    """The loss's options, checked: a one-line ``ValueError`` starting with the option's name unless each is a number
+    (not a bool or a string) that float32 holds, in its range (``fused_policy_loss``'s docstring)."""
     check_alpha(alpha)
     eps_low, eps_high, kl_coef, temperature = (
         _number(name, value)
@@ -107,19 +126,16 @@ def _check_row_inputs(
         raise ValueError(f"eps_low must be in [0, 1), got {eps_low!r}")
     if not (eps_high >= 0.0 and _in_float32(eps_high)):
         raise ValueError(f"eps_high must be a finite number >= 0, got {eps_high!r}")
-    if dual_clip is not None and not (_number("dual_clip", dual_clip) > 1.0 and _in_float32(float(dual_clip))):
-        raise ValueError(f"dual_clip must be None or a finite number > 1, got {dual_clip!r}")
+    if dual_clip is not None:
+        clip = _number("dual_clip", dual_clip)
+        if not (clip > 1.0 and _in_float32(clip)):
+            raise ValueError(f"dual_clip must be None or a finite number > 1, got {dual_clip!r}")
     if not _in_float32(kl_coef):
-        raise ValueError(f"kl_coef must be finite, got {kl_coef!r}")
+        raise ValueError(f"kl_coef must be a finite number, got {kl_coef!r}")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    if kl_coef != 0 and ref_log_probs is None:
-        raise ValueError("ref_log_probs is required when kl_coef != 0")
     if not (temperature > 0 and _in_float32(temperature) and _in_float32(1.0 / temperature)):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-
-    # The values (ids in range, finite floats, finite log-sum-exp per row) are checked by each backend as status
-    # bits in the pass it makes anyway (ops/value_status.py), and read when the check policy says.
 
 
 def _number(name: str, value) -> float:
