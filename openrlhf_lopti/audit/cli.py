@@ -49,7 +49,7 @@ from .measure import (
     sample_per_bin,
 )
 from .report import format_table, plot, write_json
-from .study import PEOPLE_FORM
+from .study import parse_people
 
 
 # What an audit writes into --out: exactly what --overwrite removes (other files there stay).
@@ -95,17 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Settings of the audited batch and update when neither a flag nor a checkpointed run gives them.
 DEFAULTS = {"prompts": 32, "n_samples": 8, "temperature": 0.7, "people": [2], "lr": 5e-4, "eta": 0.5}
-
-
-def parse_people(text: str) -> list:
-    """``--people`` ("3" or "3,4") as a list of K&K sizes; :class:`UserError` with the expected form otherwise."""
-    try:
-        people = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"--people {PEOPLE_FORM}, got {text!r}") from None
-    if not people or any(not 2 <= n <= 8 for n in people):
-        raise UserError(f"--people {PEOPLE_FORM}, got {text!r}")
-    return people
 
 
 def load_checkpointed_run(run_dir: str | os.PathLike, device: torch.device) -> tuple:

@@ -150,13 +150,21 @@ def joined_train_args(argv: list) -> list:
     return out
 
 
+def parse_people(text: str) -> list:
+    """``--people`` ("3" or "3,4") as a list of K&K sizes; :class:`UserError` with the expected form otherwise."""
+    try:
+        people = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--people {PEOPLE_FORM}, got {text!r}") from None
+    if not people or any(not 2 <= n <= 8 for n in people):
+        raise UserError(f"--people {PEOPLE_FORM}, got {text!r}")
+    return people
+
+
 def setting_of(args: argparse.Namespace) -> dict:
     """The fields that define the study's numbers (seeds, methods and jobs may change between runs)."""
     setting = {name: getattr(args, name) for name in SETTING_DEFAULTS}
-    try:
-        setting["people"] = [int(x) for x in str(args.people).split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"--people {PEOPLE_FORM}, got {args.people!r}") from None
+    setting["people"] = parse_people(args.people)
     setting["loss_backend"] = args.loss_backend
     setting["optimizer"] = args.optimizer
     setting["train_args"] = args.train_args.strip()
