@@ -101,14 +101,16 @@ def test_a_group_whose_peer_never_joins_fails_within_the_timeout(monkeypatch):
     assert str(alone["error"]).startswith(f"--cpu weight sync: rank 0 of 2 could not form the gloo group at 127.0.0.1:{port} within {TIMEOUT_S} s, {SYNC_TIMEOUT_ENV}: ")
 
 
-def _join_then_exit(port: int, formed) -> None:
+def _join_receive_then_exit(port: int) -> None:
     import os
 
-    StatelessGlooGroup("127.0.0.1", port, 1, 2)
-    # Rank 0 may still be in its half of the handshake when this rank's half returns: dying then fails the group's
-    # forming, not the broadcast this test is about (seen once in CI: "Connection closed by peer" from the forming).
-    formed.wait(BOUND_S)
-    os._exit(1)  # an engine process that dies after joining the group
+    # The group is held until the process dies: a group dropped at once closes its sockets while rank 0 may still
+    # be in its half of the handshake (CI twice: "Connection closed by peer" from rank 0's forming), and would test a
+    # closed group rather than a dead process.
+    group = StatelessGlooGroup("127.0.0.1", port, 1, 2)
+    received = torch.zeros(3)
+    group.broadcast(received, 0)  # the group works on both sides before this engine dies
+    os._exit(1 if torch.equal(received, torch.arange(3.0)) else 2)  # an engine process that dies after a sync
 
 
 def test_a_broadcast_whose_peer_process_died_fails_at_once(monkeypatch):
@@ -116,14 +118,12 @@ def test_a_broadcast_whose_peer_process_died_fails_at_once(monkeypatch):
 
     monkeypatch.setenv(SYNC_TIMEOUT_ENV, "600")  # far above the bound below: an error before it is not the timeout
     port = free_port()
-    context = multiprocessing.get_context("spawn")
-    formed = context.Event()
-    peer = context.Process(target=_join_then_exit, args=(port, formed))
+    peer = multiprocessing.get_context("spawn").Process(target=_join_receive_then_exit, args=(port,))
     peer.start()
     policy = StatelessGlooGroup("127.0.0.1", port, 0, 2)
-    formed.set()
+    policy.broadcast(torch.arange(3.0), 0)
     peer.join(BOUND_S)
-    assert peer.exitcode == 1, peer.exitcode
+    assert peer.exitcode == 1, f"the peer's exit code {peer.exitcode} (1: it received the first broadcast and died)"
     alone = in_thread(policy.broadcast, torch.ones(3), 0)
     # gloo sees the closed connection, no timeout needed (under a second; 60 s allows for busy processes)
     assert alone["finished"] and alone["seconds"] < 60, alone
