@@ -9,7 +9,7 @@ cosine LR schedule, K&K rewards, eval and checkpoints; then the same command res
 every weight sync it reads every policy rank's parameters and every engine's (vLLM's own, through
 ``collective_rpc``) and records whether they are equal bit for bit (fp32).
 
-``--algo.advantage.is_correction_level`` (TIS and seq-mask-TIS) runs with AR + Lopti on vLLM's real rollout
+``--algo.advantage.is_correction_level`` (TIS) runs with AR + Lopti on vLLM's real rollout
 log-probs: upstream logs ``vllm_kl``, the mean of vLLM's sampled log-probs minus the trainer's recomputed
 log-probs of the same tokens, which is bounded here (fp32 on both sides).
 """
@@ -210,13 +210,13 @@ def test_kk_script_trains_on_cpu_syncs_the_vllm_weights_and_resumes(driver, tmp_
     AutoModelForCausalLM.from_pretrained(run_dir)
 
 
-# Upstream's named schemes (its --algo.advantage.is_correction_* help): TIS clips the token ratio, seq-mask-TIS masks
-# whole sequences by the ratio's geometric mean. ICEPOP (token level, mask mode) ran here too until CI time ran short:
-# on these fp32 runs every ratio is 1 to 1e-7, so it masked nothing and took TIS's path to upstream's PolicyLoss,
-# whose clip-or-mask branch is upstream's own code; a run added 70 s.
+# Upstream's named schemes (its --algo.advantage.is_correction_* help): TIS clips the token ratio. seq-mask-TIS (whole
+# sequences masked by the ratio's geometric mean) and ICEPOP ran here too until CI time ran short: on these fp32 runs
+# every ratio is 1 to 1e-7, so they masked nothing and took TIS's path to upstream's PolicyLoss (a launch each, 100-150
+# s). Lopti's sequence gate is tested where ratios can leave the band: planted on upstream's own experiences and
+# PolicyLoss in test_openrlhf_trainer.py (test_lopti_keeps_upstreams_sequence_gate_on_the_whole_response).
 IS_CORRECTION = {
     "tis": ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip"],
-    "seq-mask-tis": ["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "mask"],
 }
 # |mean(vLLM's sampled log-prob - the trainer's recomputed one)| per step, fp32 on both sides, one policy rank and one
 # engine: measured 2e-8 to 6e-8. These runs' step 1 steps at lr 0 (the warm-up's first step), so step 2 samples the
@@ -243,8 +243,7 @@ def test_is_correction_with_ar_and_lopti_on_vllm_rollout_log_probs(driver, tmp_p
     assert sorted(vllm_kl) == [1, 2]
     assert all(abs(value) < VLLM_KL_BOUND for value in vllm_kl.values()), vllm_kl
     filtered = scalars(logs, "train/is_filter_ratio")
-    # no token or sequence out of band; for seq-mask-tis each Lopti phase gates on the whole response, as upstream
-    # without Lopti (before: on the phase's tokens, and a sequence with none in a phase counted as filtered)
+    # no token out of band
     assert all(value == 0 for value in filtered.values()), filtered
     for tag in ("train/lopti/low_token_frac", "train/ar/mean_weight", "train/lopti/high/policy_loss"):
         assert sorted(scalars(logs, tag)) == [1, 2], tag
