@@ -182,6 +182,13 @@ EQUIVALENT_MORE = [
     ("1000000000x+0.1", "1000000000x"),  # relative difference ~5e-11 < 1e-9 at values ~2e9
     # a pole at the first sample point (x = 13/7) is skipped; the other points decide
     ("\\frac{1}{7x-13}", "\\frac{2}{14x-26}"),
+    ("1e3", "1000"),  # scientific notation is a number
+    ("2.5E-4", "\\frac{1}{4000}"),
+    ("2e3x+1.5e-3", "2000x+0.0015"),  # inside an expression too
+    ("x \\in [1,2]", "[1,2]"),  # "x \in" is a prefix like "x ="
+    ("x\\in(-\\infty,2)", "(-\\infty, 2)"),
+    ("3 \\text{ and } 4", "3, 4"),  # a list in words
+    ("1, 2, and 3", "3,2,1"),
 ]
 
 DIFFERENT_MORE = [
@@ -202,6 +209,12 @@ DIFFERENT_MORE = [
     ("1000000000x+10", "1000000000x"),  # relative ~5e-9 > 1e-9
     ("0" * 2000 + "1", "1"),  # over 2000 characters: compared as strings only
     ("\\sqrt({4})", "2"),  # an unbraced command argument is not guessed
+    ("1e3", "100"),
+    ("1e3", "3e"),  # 3e is 3 times e, not a number
+    ("x \\in [1,2]", "[1,3]"),
+    ("x\\infty", "\\infty"),  # \infty is not the prefix \in
+    ("x \\in [1,2] \\in [1,3]", "[1,2]"),  # two memberships: not a prefix
+    ("3 \\text{ and } 4", "3, 5"),
 ]
 
 

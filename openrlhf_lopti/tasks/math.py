@@ -5,9 +5,10 @@ the ground-truth answer, else 0.0 (paper Sec. 5.2: DeepScaleR-style rule, no for
 
 Equivalence, tried in order (the first that decides wins):
 1. identical after LaTeX normalisation (`normalize`: \left/\right, \dfrac, \text{..}, units, degrees,
-   percent, "x = " prefixes, thousands separators (1,000, 1{,}000), \frac12, spacing, mixed numbers
-   (3\frac12 -> \frac{7}{2}), magnitude words (5 million -> 5000000; never stripped as a unit), ...);
-2. both are numbers (integers, decimals, a/b, \frac{a}{b}): exact rational comparison;
+   percent, "x = " and "x \in " prefixes, lists in words ("3 and 4" -> 3,4), thousands separators (1,000,
+   1{,}000), \frac12, spacing, mixed numbers (3\frac12 -> \frac{7}{2}), magnitude words (5 million -> 5000000;
+   never stripped as a unit), ...);
+2. both are numbers (integers, decimals, scientific notation 1e3, a/b, \frac{a}{b}): exact rational comparison;
 3. both are comma lists of the same kind: item by item (tuples and intervals in order, sets and bare
    lists in any order);
 4. both are words ("Yes", "none"): case-insensitive comparison;
@@ -99,7 +100,10 @@ _MAGNITUDE = re.compile(  # the trailing words are units; "5 hundred thousand" i
 # A whole number then a proper fraction, the whole answer: MATH's "express as a mixed number". sympy would
 # read 3\frac{1}{2} as the product 3/2; 2\sqrt{3}, 3\pi, 2\frac{x}{3} stay products.
 _MIXED_NUMBER = re.compile(r"([-+]?)(\d+)\\frac\{(\d+)\}\{(\d+)\}")
-_VAR_PREFIX = re.compile(r"[a-zA-Z](?:_\{?[a-zA-Z0-9]+\}?)?\s*=\s*(.+)", re.DOTALL)
+# "x = 5", "x \in [1,2]" (not \infty)
+_VAR_PREFIX = re.compile(r"[a-zA-Z](?:_\{?[a-zA-Z0-9]+\}?)?\s*(?:=|\\in(?![a-zA-Z]))\s*(.+)", re.DOTALL)
+# "3 and 4", "1, 2, and 3": a list written in words (after \text{ and } lost its command)
+_AND_LIST = re.compile(r"\s*,?\s+and\s+")
 
 
 def normalize(answer: str) -> str:
@@ -123,7 +127,7 @@ def normalize(answer: str) -> str:
         s = s.replace(token, "")
     s = s.strip().rstrip(".").strip()
     m = _VAR_PREFIX.fullmatch(s)  # "x = 5" -> "5" (first, so that "x = 5 cm" loses its unit too)
-    if m and "=" not in m.group(1):
+    if m and "=" not in m.group(1) and not re.search(r"\\in(?![a-zA-Z])", m.group(1)):
         s = m.group(1)
     m = _UNIT_SUFFIX.fullmatch(s)  # "5 cm" -> "5" (a unit needs a space: "5x" stays)
     if m:
@@ -132,6 +136,7 @@ def normalize(answer: str) -> str:
     if m:
         value = Fraction(m.group(1).replace(",", "")) * _MAGNITUDES[m.group(2)]
         s = str(value)  # "p/q" when not whole ("1.25 hundred" is whole; "0.125 dozen" is 3/2)
+    s = _AND_LIST.sub(",", s)
     s = re.sub(r"\s+", "", s)
     s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
     s = re.sub(r"\\frac(\d)\{", r"\\frac{\1}{", s)
@@ -159,6 +164,8 @@ def _number(s: str) -> Fraction | None:
     try:
         if re.fullmatch(r"[-+]?(?:\d+\.?\d*|\.\d+)", s):
             return Fraction(s.rstrip(".") if s.endswith(".") else s)
+        if re.fullmatch(r"[-+]?" + _SCIENTIFIC.pattern, s):  # 1e3, 2.5E-4
+            return Fraction(s)
         m = re.fullmatch(r"([-+]?\d+)/([-+]?\d+)", s)
         if m:
             return Fraction(int(m.group(1)), int(m.group(2)))
@@ -215,6 +222,7 @@ def _lists_equal(a: tuple[str, list[str]], b: tuple[str, list[str]], depth: int)
     return all(_equiv(x, y, depth + 1) for x, y in zip(ia, ib))
 
 
+_SCIENTIFIC = re.compile(r"(?<![\w.])(\d+\.?\d*|\.\d+)[eE]([-+]?\d{1,3})(?![\d.])")
 _FUNCS = ("sqrt", "pi", "log", "sin", "cos", "tan", "exp")
 _LATEX_WORDS = {
     "\\cdot": "*", "\\times": "*", "\\div": "/", "\\pi": " pi ", "\\ln": " log ", "\\log": " log ",
@@ -357,6 +365,8 @@ def _sympy_text(s: str) -> str | None:
     if len(s) > _MAX_SYMPY_CHARS or re.search(r"\d{21}", s):
         return None
     s = re.sub(r"\\sqrt\[([^\[\]]*)\]\{", r"\\root{\1}{", s)
+    # 1e3 inside an expression is scientific notation, not the product 1 * e * 3
+    s = _SCIENTIFIC.sub(lambda m: f"({m.group(1)}*10**({m.group(2).lstrip('+')}))", s)
     for cmd, nargs, fmt in (("\\frac", 2, "(({})/({}))"), ("\\root", 2, "(({1})**(1/{0}))"), ("\\sqrt", 1, "sqrt({})")):
         s = _replace_command(s, cmd, nargs, fmt)
         if s is None:
