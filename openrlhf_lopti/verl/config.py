@@ -80,9 +80,9 @@ class LoptiPolicyLossConfig(PolicyLossConfig):
                 f"{self.loss_mode!r}: AR is the 'ar' loss, set loss_mode=ar"
             )
         if self.loss_mode == "ar":
-            check_plugin(f"{POLICY_LOSS_KEY}.loss_mode=ar")
+            check_plugin(f"{POLICY_LOSS_KEY}.loss_mode=ar", "ar")
         if self.lopti is not None:
-            check_plugin(f"Lopti ({POLICY_LOSS_KEY}.lopti_eta / lopti_quantile)")
+            check_plugin(f"Lopti ({POLICY_LOSS_KEY}.lopti_eta / lopti_quantile)", "lopti")
             check_lopti_worker()
 
     @property
@@ -92,10 +92,11 @@ class LoptiPolicyLossConfig(PolicyLossConfig):
         return lopti_settings(self.lopti_eta is not None, self.lopti_eta, self.lopti_order, self.lopti_quantile, keys)
 
 
-def check_plugin(what: str) -> None:
-    """Raise :class:`ConfigError` (one line) when ``what`` would not run in this process: our verl plugin
-    (:mod:`.plugin`, which registers the ``ar`` loss and the Lopti worker) was not loaded here, or failed.
-    Without it verl would run ``vanilla`` with our keys ignored, or fail on an unknown loss mode in a worker."""
+def check_plugin(what: str, method: str) -> None:
+    """Raise :class:`ConfigError` (one line) when ``what``, a part of ``method`` (``"ar"``: the ``ar`` loss;
+    ``"lopti"``: the Lopti worker), would not run in this process: our verl plugin (:mod:`.plugin`) was not loaded
+    here, or that part of it failed. Without it verl would run ``vanilla`` with our keys ignored, or fail on an
+    unknown loss mode in a worker."""
     plugin = sys.modules.get("openrlhf_lopti.verl.plugin")  # read, not imported: importing it would load it
     if plugin is None:
         raise ConfigError(
@@ -104,7 +105,7 @@ def check_plugin(what: str) -> None:
             "it out; with the package in a Ray job's py_modules, set "
             "VERL_USE_EXTERNAL_MODULES=openrlhf_lopti.verl.plugin"
         )
-    reason = plugin.unavailable(what)
+    reason = plugin.unavailable(what, (plugin.AR_LOSS,) if method == "ar" else (plugin.LOPTI_WORKER,))
     if reason:
         raise ConfigError(reason)
 

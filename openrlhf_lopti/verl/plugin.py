@@ -22,20 +22,25 @@ fails leaves verl as it was and is logged as a warning (verl logs a plugin that 
 """
 
 import logging
-from typing import Dict
+from typing import Dict, Tuple
 
 from openrlhf_lopti.after_import import call_after_import
 
 LOGGER = logging.getLogger(__name__)
-# what failed to register in this process, and why (one line each)
+# The plugin's parts: AR is a loss and runs in any worker; Lopti needs our training worker.
+AR_LOSS = "the 'ar' policy loss"
+LOPTI_WORKER = "the Lopti worker"
+# what failed to register in this process, and why (one line each), by part
 FAILED: Dict[str, str] = {}
 
 
-def unavailable(what: str) -> str:
-    """One line: why ``what`` (e.g. ``loss_mode=ar``) cannot run in this process, or "" when it can."""
-    if not FAILED:
+def unavailable(what: str, needs: Tuple[str, ...]) -> str:
+    """One line: why ``what`` (e.g. ``loss_mode=ar``), which needs the parts ``needs`` (:data:`AR_LOSS`,
+    :data:`LOPTI_WORKER`), cannot run in this process, or "" when it can."""
+    failed = {part: FAILED[part] for part in needs if part in FAILED}
+    if not failed:
         return ""
-    reasons = "; ".join(f"{part}: {reason}" for part, reason in FAILED.items())
+    reasons = "; ".join(f"{part}: {reason}" for part, reason in failed.items())
     return f"{what} needs openrlhf_lopti's verl plugin (openrlhf_lopti.verl.plugin), which failed here: {reasons}"
 
 
@@ -46,14 +51,14 @@ def _failed(part: str, exc: BaseException) -> None:
 
 def _ar_unavailable(*args, **kwargs):
     """Stands in for the ``ar`` loss when it failed to register: its reason, in one line."""
-    raise ImportError(unavailable("actor_rollout_ref.actor.policy_loss.loss_mode=ar"))
+    raise ImportError(unavailable("actor_rollout_ref.actor.policy_loss.loss_mode=ar", (AR_LOSS,)))
 
 
 def _register_ar_loss(core_algos) -> None:
     try:
         from . import loss  # noqa: F401  (registers "ar" in core_algos.POLICY_LOSS_REGISTRY)
     except Exception as exc:  # noqa: BLE001  (a failing plugin must not break verl for runs without AR)
-        _failed("the 'ar' policy loss", exc)
+        _failed(AR_LOSS, exc)
         core_algos.register_policy_loss("ar")(_ar_unavailable)
 
 
@@ -61,15 +66,15 @@ def _set_lopti_worker(engine_workers) -> None:
     try:
         from .worker import LoptiTrainingWorker
     except Exception as exc:  # noqa: BLE001
-        _failed("the Lopti worker", exc)
+        _failed(LOPTI_WORKER, exc)
         return
     chosen = engine_workers.ActorRolloutRefWorker.actor_worker_cls
     if chosen is not engine_workers.TrainingWorker:  # another plugin or recipe chose it: runs without our keys are its
-        FAILED["the Lopti worker"] = (
+        FAILED[LOPTI_WORKER] = (
             f"ActorRolloutRefWorker.actor_worker_cls is {chosen.__module__}.{chosen.__qualname__} already (set by "
             "another plugin or recipe), which ours would replace"
         )
-        LOGGER.warning("openrlhf_lopti's verl plugin: the Lopti worker not registered (%s)", FAILED["the Lopti worker"])
+        LOGGER.warning("openrlhf_lopti's verl plugin: %s not registered (%s)", LOPTI_WORKER, FAILED[LOPTI_WORKER])
         return
     engine_workers.ActorRolloutRefWorker.actor_worker_cls = LoptiTrainingWorker
 

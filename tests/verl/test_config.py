@@ -99,6 +99,7 @@ def test_the_plugin_keeps_a_training_worker_another_plugin_chose(monkeypatch):
     line = our_line(info.value)
     assert "the Lopti worker: ActorRolloutRefWorker.actor_worker_cls is " in line, line
     assert "engine_workers_tinker.TinkerTrainingWorker already (set by another plugin or recipe)" in line, line
+    build_actor_config(alpha=0.3)  # AR alone is a loss, registered all the same: it runs in that worker
 
 
 def test_the_ar_loss_without_our_config_says_which_target_to_set():
