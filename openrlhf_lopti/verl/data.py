@@ -14,7 +14,8 @@ reads parquet files with one row per prompt and these columns (``data.prompt_key
 ==================  =====================================================================================
 
 This writes ``DIR/train.parquet`` and ``DIR/test.parquet`` (``--out`` elsewhere); existing parquet files are
-replaced only with ``--overwrite``. The reward is :mod:`openrlhf_lopti.verl.reward` (``compute_score``), the
+replaced only with ``--overwrite``. An empty split or a malformed row is refused in one line naming the file and
+line, before anything is written. The reward is :mod:`openrlhf_lopti.verl.reward` (``compute_score``), the
 paper's rule from ``openrlhf_lopti.tasks.kk``.
 """
 
@@ -34,16 +35,45 @@ def verl_row(record: dict, split: str, index: int, where: str) -> dict:
     if missing:
         raise UserError(f"{where}: no {', '.join(missing)}: write the files with `python -m openrlhf_lopti data kk`")
     prompt = record["prompt"]
-    if not isinstance(prompt, list):
+    if isinstance(prompt, str):
         raise UserError(f"{where}: the prompt is plain text; verl applies the chat template to chat messages: "
                         "write the files without --plain-prompt")  # fmt: skip
+    messages_form = 'a list of {"role": ..., "content": ...} messages with text values'
+    if not isinstance(prompt, list) or not prompt or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    ):
+        raise UserError(f"{where}: prompt must be {messages_form}, got {_shown(prompt)}")
+    number = _whole_number(record["num_people"])
+    if number is None or number < 1:
+        raise UserError(f"{where}: num_people must be a whole number >= 1, got {_shown(record['num_people'])}")
+    if not isinstance(record["label"], str) or not isinstance(record["datasource"], str):
+        bad = "label" if not isinstance(record["label"], str) else "datasource"
+        raise UserError(f"{where}: {bad} must be text, got {_shown(record[bad])}")
     return {
         "data_source": record["datasource"],
         "prompt": [{"role": m["role"], "content": m["content"]} for m in prompt],
         "ability": "logic",
         "reward_model": {"style": "rule", "ground_truth": record["label"]},
-        "extra_info": {"split": split, "index": index, "num_people": int(record["num_people"])},
+        "extra_info": {"split": split, "index": index, "num_people": number},
     }
+
+
+def _whole_number(value) -> Optional[int]:
+    """``value`` as an int when it is one (3, 3.0, "3"), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return None
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def convert(src: Path, out: Path, overwrite: bool = False) -> List[Path]:
@@ -61,6 +91,9 @@ def convert(src: Path, out: Path, overwrite: bool = False) -> List[Path]:
     rows = {}
     for split, path in zip(SPLITS, inputs):
         records, where = load_rows(path)
+        if not records:  # verl's dataset cannot read a parquet file of no rows (it has no columns either)
+            raise UserError(f"{path} has no prompts: verl cannot load an empty dataset; write at least one (data kk "
+                            f"--{split}-per-n 1)")  # fmt: skip
         rows[split] = [verl_row(r, split, i, where[i]) for i, r in enumerate(records)]
     out.mkdir(parents=True, exist_ok=True)
     for split, path in zip(SPLITS, outputs):

@@ -77,3 +77,38 @@ def test_the_reward_file_as_verl_loads_it(kk_dir, path):
     wrong = f"<think> reasoning </think>\n<answer>\n{flipped}\n</answer>"
     assert compute_score(data_source="kk_3ppl", solution_str=wrong, ground_truth=label)["score"] == -0.5
     assert compute_score(data_source="kk_3ppl", solution_str="no tags", ground_truth=label)["score"] == -3.0
+
+
+GOOD_ROW = {"prompt": [{"role": "user", "content": "hi"}], "label": "(1) A is a knight", "num_people": 2,
+            "datasource": "kk_2ppl"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "train, test, error",
+    [
+        ([GOOD_ROW], [], "test.jsonl has no prompts: verl cannot load an empty dataset; write at least one (data kk "
+                         "--test-per-n 1)"),  # fmt: skip
+        ([dict(GOOD_ROW, num_people=None)], [GOOD_ROW], "train.jsonl line 1: num_people must be a whole number >= 1, "
+                                                        "got None"),  # fmt: skip
+        ([dict(GOOD_ROW, prompt=[{"content": "hi"}])], [GOOD_ROW], "train.jsonl line 1: prompt must be a list of "),
+        ([GOOD_ROW], [GOOD_ROW, dict(GOOD_ROW, prompt=["hi"])], "test.jsonl line 2: prompt must be a list of "),
+        ([dict(GOOD_ROW, label=3)], [GOOD_ROW], "train.jsonl line 1: label must be text, got 3"),
+    ],
+    ids=["empty-split", "num_people-null", "message-without-role", "messages-as-strings", "label-not-text"],
+)
+def test_the_converter_names_a_bad_file_or_row_in_one_line_and_writes_nothing(tmp_path, capsys, train, test, error):
+    """Before: an empty split wrote a parquet file of no columns that verl's dataset fails on later ("An error
+    occurred while generating the dataset"), and these rows raised a TypeError / KeyError traceback."""
+    import json
+
+    from openrlhf_lopti.verl.data import main
+
+    for split, rows in (("train", train), ("test", test)):
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and error in err, err
+    assert not list(tmp_path.glob("*.parquet"))
+    (tmp_path / "test.jsonl").write_text(json.dumps(dict(GOOD_ROW, num_people="3")) + "\n")
+    (tmp_path / "train.jsonl").write_text(json.dumps(dict(GOOD_ROW, num_people=2.0)) + "\n")
+    assert main([str(tmp_path)]) == 0  # a whole number written as text or a float is still one
