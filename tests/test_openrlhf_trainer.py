@@ -650,6 +650,39 @@ def test_the_grpo_baseline_script_trains_exactly_as_upstream(env, eager_entropy,
     assert params_equal(ours, upstream)
 
 
+@pytest.mark.parametrize("clip", [("1.0", "0.28"), ("-0.1", "0.2")], ids=["no-lower-clip", "negative-low"])
+def test_a_clip_range_the_kernel_does_not_take_trains_on_upstreams_loss_under_auto(env, clip, capsys):
+    """``--actor.eps_clip_low_high 1.0 0.28`` (no lower clip) is upstream's to take: ``auto`` uses upstream's
+    ``PolicyLoss`` and trains exactly as upstream; an explicit backend is refused in one line naming the flag.
+    Before, ``auto`` handed it to the kernel, which raised "eps_low must be in [0, 1)" in the first step."""
+    args = make_args("--actor.eps_clip_low_high", *clip, "--actor.fused_loss", "auto")
+    ours = train_round(env, Lopti, args, record_grads=True)
+    upstream = train_round(env, Upstream, args, record_grads=True)
+    assert ours.trainer.fused_backend is None
+    for a, b in zip(ours.strategy.steps, upstream.strategy.steps, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+    assert params_equal(ours, upstream)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        make_args("--actor.eps_clip_low_high", *clip, "--actor.fused_loss", "torch")
+    err = capsys.readouterr().err
+    refused = f"--actor.fused_loss torch does not support --actor.eps_clip_low_high {float(clip[0]):g} {float(clip[1]):g} "
+    assert f"error: {refused}" in err, err
+
+
+def test_a_nan_clip_range_is_refused_in_one_line(capsys):
+    """Upstream's clamp to [1 - low, 1 + high] with a NaN would make every ratio NaN, fused or not."""
+    with pytest.raises(SystemExit):
+        make_args("--actor.eps_clip_low_high", "0.2", "nan", "--actor.fused_loss", "off")
+    assert "error: --actor.eps_clip_low_high must be two numbers, got 0.2 nan\n" in capsys.readouterr().err
+
+
+def test_the_gspo_refusal_names_the_threshold_given(capsys):
+    with pytest.raises(SystemExit):
+        make_args("--algo.lopti.quantile", "0.5", "--actor.policy_loss_type", "gspo")
+    assert "error: --algo.lopti.quantile with --actor.policy_loss_type gspo: " in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("alpha", ["0", "0.3"])

@@ -18,6 +18,7 @@ CPU-only install.
 """
 
 import argparse
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -173,9 +174,23 @@ def add_lopti_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _clip_range(args: Any) -> tuple:
+    """``(low, high)``: upstream's PPO clip range (``--actor.eps_clip_low_high``, else ``--actor.eps_clip`` twice)."""
+    both = _arg(args, "actor.eps_clip_low_high", None)
+    if both is None:
+        eps = _arg(args, "actor.eps_clip", 0.2)
+        return float(eps), float(eps)
+    low, high = both
+    return float(low), float(high)
+
+
 def fused_loss_blockers(args: Any) -> list[str]:
     """Upstream settings under which ``fused_policy_loss`` cannot stand in for upstream's ``PolicyLoss``."""
     blockers = []
+    low, high = _clip_range(args)
+    if not (0 <= low < 1 and 0 <= high < math.inf):  # upstream clamps the ratio to [1 - low, 1 + high] as given
+        blockers.append(f"--actor.eps_clip_low_high {low:g} {high:g} (the fused loss clips with low in [0, 1), "
+                        "high >= 0)")  # fmt: skip
     if _arg(args, "actor.policy_loss_type", "ppo") != "ppo":
         blockers.append("--actor.policy_loss_type gspo (sequence-level ratio)")
     if _arg(args, "algo.advantage.is_correction_level", "off") != "off":
@@ -204,6 +219,9 @@ def check_config(args: Any) -> None:
     """
     cfg = lopti_config(args)
     check_alpha(cfg.ar_alpha)
+    if any(math.isnan(eps) for eps in _clip_range(args)):  # upstream's clamp would make every ratio NaN
+        low, high = _clip_range(args)
+        raise ValueError(f"--actor.eps_clip_low_high must be two numbers, got {low:g} {high:g}")
     if not (cfg.lopti_eta == 0 or 0 < cfg.lopti_eta <= 1):  # NaN fails both
         raise ValueError(f"--algo.lopti.eta must be 0 (off) or in (0, 1], got {cfg.lopti_eta}")
     if cfg.lopti_eta > 0 or cfg.lopti_quantile is not None:  # with a quantile and no eta, the quantile alone sets it
@@ -224,8 +242,9 @@ def check_config(args: Any) -> None:
             "use --actor.fused_loss off (upstream's PolicyLoss) or auto"
         )
     if cfg.lopti_enabled and _arg(args, "actor.policy_loss_type", "ppo") == "gspo":
+        threshold = "--algo.lopti.quantile" if cfg.lopti_quantile is not None else "--algo.lopti.eta"
         raise ValueError(
-            "--algo.lopti.eta with --actor.policy_loss_type gspo: GSPO's ratio is one per sequence, so a "
+            f"{threshold} with --actor.policy_loss_type gspo: GSPO's ratio is one per sequence, so a "
             "token phase cannot be isolated; use --actor.policy_loss_type ppo"
         )
     # --algo.track_direction's forward-only pass after the update is a plain actor forward over the round's experience
