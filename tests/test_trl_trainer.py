@@ -24,6 +24,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from openrlhf_lopti.demo.tiny_model import build_tiny_llama, build_word_tokenizer  # noqa: E402
 from openrlhf_lopti.local.task import compact_prompt, puzzles  # noqa: E402
 from openrlhf_lopti.trl import LoptiGRPOConfig, LoptiGRPOTrainer, kk_reward  # noqa: E402
+from openrlhf_lopti.trl.config import trl_loss_reason  # noqa: E402
 
 from .allocations import NewTensors  # noqa: E402
 from .numerics import ACCURACY_RATIO, U32, ULPS_FLOOR  # noqa: E402
@@ -375,6 +376,21 @@ def test_refused_at_construction(tmp_path, options, names):
 def test_off_with_trl_loss_accepts_what_trl_accepts(tmp_path):
     cfg = LoptiGRPOConfig(**settings(tmp_path, fused_loss=False, loss_type="cispo", delta=None))
     assert cfg.loss_type == "cispo"
+
+
+@pytest.mark.parametrize("epsilons", [dict(epsilon=1.0), dict(epsilon=-0.1, epsilon_high=0.2)], ids=["no-lower-clip", "negative"])
+def test_a_clip_range_the_kernel_does_not_take_runs_trls_loss_as_trl(tmp_path, tok, epsilons):
+    """``epsilon=1.0`` (no lower clip), which TRL takes: TRL's loss runs, with TRL's update. Before, the fused path
+    took it and the first step raised the kernel's "eps_low must be in [0, 1)"."""
+    options = settings(tmp_path / "a", **epsilons)
+    ours_cfg = LoptiGRPOConfig(**options)
+    assert trl_loss_reason(ours_cfg) == f"epsilon={epsilons['epsilon']!r}"  # before: None, and the step raised
+    _, ours, _ = train(LoptiGRPOTrainer, ours_cfg, tok)
+    options = settings(tmp_path / "b", **epsilons)
+    options.pop("loss_backend")
+    _, theirs, _ = train(GRPOTrainer, GRPOConfig(**options), tok)
+    assert all(torch.equal(a, b) for a, b in zip(trained_params(ours), trained_params(theirs), strict=True))
+    assert trl_loss_reason(LoptiGRPOConfig(**settings(tmp_path, epsilon_high=float("inf")))) == "epsilon_high=inf"
 
 
 def test_trainer_needs_our_config(tmp_path, tok):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from openrlhf_lopti.algo import LOPTI_ORDERS, LoptiSettings, check_alpha, check_lopti_args, lopti_settings
+from openrlhf_lopti.ops import clip_range_supported
 
 FUSED_LOSS_CHOICES = ("auto", "triton", "cpp", "torch", "off")
 LOPTI_DENOMINATORS = ("all", "phase")
@@ -188,7 +189,7 @@ def fused_loss_blockers(args: Any) -> list[str]:
     """Upstream settings under which ``fused_policy_loss`` cannot stand in for upstream's ``PolicyLoss``."""
     blockers = []
     low, high = _clip_range(args)
-    if not (0 <= low < 1 and 0 <= high < math.inf):  # upstream clamps the ratio to [1 - low, 1 + high] as given
+    if not clip_range_supported(low, high):  # upstream clamps the ratio to [1 - low, 1 + high] as given
         blockers.append(f"--actor.eps_clip_low_high {low:g} {high:g} (the fused loss clips with low in [0, 1), "
                         "high >= 0)")  # fmt: skip
     if _arg(args, "actor.policy_loss_type", "ppo") != "ppo":

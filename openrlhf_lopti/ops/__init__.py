@@ -3,7 +3,7 @@
 status bits read when ``LossOptions.check`` says (``value_status``: at once, at the optimizer step, or never)."""
 
 from .fused_linear_policy_loss import fused_linear_policy_loss, linear_log_probs
-from .fused_policy_loss import BACKENDS, backends_ran, fused_policy_loss
+from .fused_policy_loss import BACKENDS, backends_ran, clip_range_supported, fused_policy_loss
 from .loss_head_output import LossHeadOutput
 from .loss_options import LossOptions
 from .value_status import CHECK_POLICIES, StepChecks
@@ -15,6 +15,7 @@ __all__ = [
     "LossOptions",
     "StepChecks",
     "backends_ran",
+    "clip_range_supported",
     "fused_linear_policy_loss",
     "fused_policy_loss",
     "linear_log_probs",

@@ -122,9 +122,9 @@ def check_options(
         for name, value in (("eps_low", eps_low), ("eps_high", eps_high), ("kl_coef", kl_coef),
                             ("temperature", temperature))
     )  # fmt: skip
-    if not (0.0 <= eps_low < 1.0):
+    if not clip_range_supported(eps_low, 0.0):
         raise ValueError(f"eps_low must be in [0, 1), got {eps_low!r}")
-    if not (eps_high >= 0.0 and _in_float32(eps_high)):
+    if not clip_range_supported(0.0, eps_high):
         raise ValueError(f"eps_high must be a finite number >= 0, got {eps_high!r}")
     if dual_clip is not None:
         clip = _number("dual_clip", dual_clip)
@@ -136,6 +136,13 @@ def check_options(
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     if not (temperature > 0 and _in_float32(temperature) and _in_float32(1.0 / temperature)):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def clip_range_supported(eps_low: float, eps_high: float) -> bool:
+    """Whether the kernel clips the ratio to ``[1 - eps_low, 1 + eps_high]``: ``eps_low`` in [0, 1) (a lower bound
+    above 0: the kernel clips the log-ratio) and ``eps_high`` a finite number >= 0. The frameworks' own losses take
+    other values too (``eps_low = 1``: no lower clip); a front end runs those on its framework's loss."""
+    return 0.0 <= eps_low < 1.0 and eps_high >= 0.0 and _in_float32(eps_high)
 
 
 def _number(name: str, value) -> float:

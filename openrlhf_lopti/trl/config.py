@@ -12,7 +12,7 @@ from typing import Optional
 from trl import GRPOConfig
 
 from openrlhf_lopti.algo import LoptiSettings, check_alpha, check_lopti_args, lopti_on, lopti_settings
-from openrlhf_lopti.ops import BACKENDS
+from openrlhf_lopti.ops import BACKENDS, clip_range_supported
 
 from . import cpu_colocate
 
@@ -116,6 +116,9 @@ def trl_loss_reason(args: LoptiGRPOConfig, multimodal: bool = False) -> Optional
             return f"{name}={getattr(args, name)!r}"
     if args.use_adaptive_entropy:
         return "use_adaptive_entropy=True"  # TRL's controller, kept where it is
+    eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high  # TRL's rule
+    if not clip_range_supported(args.epsilon, eps_high):  # e.g. epsilon=1.0: no lower clip, which TRL takes
+        return f"epsilon={args.epsilon!r}" if not clip_range_supported(args.epsilon, 0.0) else f"epsilon_high={eps_high!r}"
     if multimodal:
         return "a multimodal processing class"
     return None
