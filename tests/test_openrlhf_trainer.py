@@ -666,7 +666,8 @@ def test_a_clip_range_the_kernel_does_not_take_trains_on_upstreams_loss_under_au
     with pytest.raises(SystemExit):
         make_args("--actor.eps_clip_low_high", *clip, "--actor.fused_loss", "torch")
     err = capsys.readouterr().err
-    refused = f"--actor.fused_loss torch does not support --actor.eps_clip_low_high {float(clip[0]):g} {float(clip[1]):g} "
+    low, high = (float(eps) for eps in clip)
+    refused = f"--actor.fused_loss torch does not support --actor.eps_clip_low_high {low:g} {high:g} "
     assert f"error: {refused}" in err, err
 
 

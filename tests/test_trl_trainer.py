@@ -378,7 +378,8 @@ def test_off_with_trl_loss_accepts_what_trl_accepts(tmp_path):
     assert cfg.loss_type == "cispo"
 
 
-@pytest.mark.parametrize("epsilons", [dict(epsilon=1.0), dict(epsilon=-0.1, epsilon_high=0.2)], ids=["no-lower-clip", "negative"])
+@pytest.mark.parametrize("epsilons", [dict(epsilon=1.0), dict(epsilon=-0.1, epsilon_high=0.2)],
+                         ids=["no-lower-clip", "negative"])  # fmt: skip
 def test_a_clip_range_the_kernel_does_not_take_runs_trls_loss_as_trl(tmp_path, tok, epsilons):
     """``epsilon=1.0`` (no lower clip), which TRL takes: TRL's loss runs, with TRL's update. Before, the fused path
     took it and the first step raised the kernel's "eps_low must be in [0, 1)"."""
