@@ -220,8 +220,8 @@ def check_config(args: Any) -> None:
     """
     cfg = lopti_config(args)
     check_alpha(cfg.ar_alpha)
-    if any(math.isnan(eps) for eps in _clip_range(args)):  # upstream's clamp would make every ratio NaN
-        low, high = _clip_range(args)
+    low, high = _clip_range(args)
+    if math.isnan(low) or math.isnan(high):  # upstream's clamp would make every ratio NaN
         raise ValueError(f"--actor.eps_clip_low_high must be two numbers, got {low:g} {high:g}")
     if not (cfg.lopti_eta == 0 or 0 < cfg.lopti_eta <= 1):  # NaN fails both
         raise ValueError(f"--algo.lopti.eta must be 0 (off) or in (0, 1], got {cfg.lopti_eta}")

@@ -116,10 +116,11 @@ def trl_loss_reason(args: LoptiGRPOConfig, multimodal: bool = False) -> Optional
             return f"{name}={getattr(args, name)!r}"
     if args.use_adaptive_entropy:
         return "use_adaptive_entropy=True"  # TRL's controller, kept where it is
+    if not clip_range_supported(args.epsilon, 0.0):  # e.g. epsilon=1.0: no lower clip, which TRL takes
+        return f"epsilon={args.epsilon!r}"
     eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high  # TRL's rule
-    if not clip_range_supported(args.epsilon, eps_high):  # e.g. epsilon=1.0: no lower clip, which TRL takes
-        low_ok = clip_range_supported(args.epsilon, 0.0)
-        return f"epsilon_high={eps_high!r}" if low_ok else f"epsilon={args.epsilon!r}"
+    if not clip_range_supported(0.0, eps_high):
+        return f"epsilon_high={eps_high!r}"
     if multimodal:
         return "a multimodal processing class"
     return None
