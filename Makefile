@@ -69,7 +69,7 @@ test: install
 
 test-main: export OMP_WAIT_POLICY ?= PASSIVE
 test-main: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 	@echo "== the tests whose tolerances depend on rounding, again under another CPU dispatch: $(ALT_DISPATCH)"
 	$(ALT_DISPATCH) $(BIN)/python -m pytest -q -p no:cacheprovider -m rounding --durations=10 $(NUMERICS_TESTS)
 

@@ -25,6 +25,8 @@ os.environ.setdefault("RAY_enable_metrics_collection", "0")
 import inspect  # noqa: E402
 import types  # noqa: E402
 
+import pytest  # noqa: E402
+
 ROUNDING_NAMES = frozenset({
     # tests/numerics.py and tests/kernel_cases.py: the derived bounds
     "assert_same_computation", "assert_all_same_computation", "scalars_same_computation", "assert_near_float64",
@@ -65,13 +67,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "rounding: compares floats with a tolerance or two paths (auto-applied)")
 
 
-# ---- the order files start in: longest first, so that `make test`'s two workers (pytest-xdist, whole files) end
-# together. Measured on the 2-core VM (TESTING.md, "The suite's time budget"); a file missing here runs after these,
-# in its usual order, so a stale list costs time, never a test.
-SLOW_FILES_FIRST = (
-    "test_openrlhf_cpu_pipeline.py", "test_openrlhf_multinode.py", "test_trl_cpu_colocate.py", "test_openrlhf_deepspeed.py",
-    "test_trl_processes.py", "test_openrlhf_cpu_vllm.py", "test_audit_study.py", "test_trl_example.py",
-)  # fmt: skip
+# ---- how `make test`'s two workers share the files (pytest-xdist, `--dist loadfile --no-loadscope-reorder`) ----
+# Each file is one unit of work (its module fixtures start once). The files that start Ray clusters and vLLM engines
+# are one unit, run one after the other: two of them at once beside verl's main_ppo (the other track) left a Ray
+# head node unstarted after 300 s at load 25. The units go out longest first, so that the workers end together
+# (times measured on the 2-core VM: TESTING.md, "The suite's time budget"); a file missing from these lists runs
+# after them, in its usual order, so a stale list costs time, never a test.
+RAY_FILES = ("test_openrlhf_cpu_pipeline.py", "test_openrlhf_multinode.py", "test_openrlhf_cpu_vllm.py",
+             "test_openrlhf_cpu_settings.py")  # fmt: skip
+SLOW_FILES = ("test_openrlhf_deepspeed.py", "test_trl_cpu_colocate.py", "test_trl_example.py", "test_trl_processes.py",
+              "test_audit_study.py", "test_trl_options.py", "test_cli_quiet_start.py", "test_ops_cpp.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
@@ -79,5 +84,21 @@ def pytest_collection_modifyitems(config, items):
         function = getattr(item, "function", None)
         if function is not None and _uses_rounding(function, item.module, set()):
             item.add_marker("rounding")
-    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    rank = {name: 0 for name in RAY_FILES} | {name: 1 + i for i, name in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent where xdist is not installed (.venv-verl)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile``: xdist's file-by-file scheduler with :data:`RAY_FILES` as one unit. (Its
+    ``loadgroup`` cannot group them: it renames the tests' node ids, which pytest 9.2 no longer lets it do.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class RayFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "ray" if path.rsplit("/", 1)[-1] in RAY_FILES else path
+
+    return RayFilesTogether(config, log)

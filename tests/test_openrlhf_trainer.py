@@ -1085,13 +1085,20 @@ def test_the_rounds_losses_are_upstreams_single_pass_with_skewed_micro_batches(e
     0.9 on 4-7: micro-batches of one phase each. The round's policy_loss, KL loss (which --algo.kl.target's
     controller reads) and entropy_loss are upstream's single pass; before, each phase's value was weighted by its
     own token count (policy_loss 2.42 against upstream's 1.22). One micro-batch per optimizer step: with more, each
-    pass's shuffled micro-batches group into other windows, whose token counts normalise the losses."""
+    pass's shuffled micro-batches group into other windows, whose token counts normalise the losses.
+
+    Each phase's pass computes its log-probs in other micro-batches than upstream's pass (other shapes, other fp32
+    roundings of the forward), and k3 ~ x^2 / 2 turns an error e of the log-ratio x into a relative error of about
+    2e / x: at this batch's x ~ 0.1 (KL 0.0045) the KL is ~100x more sensitive than the other losses. Measured, run
+    alone: 1.7e-5 of the KL (policy_loss 1e-7), so the KL's bound is 2e-4 (12x); a token-count weighting is off by
+    O(1)."""
     edit = rollout_probs(4, 0.1, 0.9)
     flags = ["--actor.adam.lr", "0", "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.entropy_coef", "0"]
     up = train_round(env, Upstream, make_args(*flags), gas=1, edit=edit)
     lo = train_round(env, Lopti, make_args(*flags, "--algo.lopti.eta", "0.5"), gas=1, edit=edit)
     for key in ("policy_loss", "kl", "entropy_loss", "ppo_kl", "ppo_clip_ratio"):
-        assert lo.status[key] == pytest.approx(up.status[key], rel=1e-5, abs=1e-8), key
+        rel = 2e-4 if key == "kl" else 1e-5
+        assert lo.status[key] == pytest.approx(up.status[key], rel=rel, abs=1e-8), key
         if key in ("policy_loss", "kl", "entropy_loss"):
             assert lo.status[f"lopti/low/{key}"] + lo.status[f"lopti/high/{key}"] == pytest.approx(lo.status[key])
 
