@@ -90,3 +90,22 @@ def test_weight_bounds_and_sign(alpha, p, a):
     assert torch.all(out * adv >= 0)
     assert torch.all(out.abs() <= adv.abs() + 1e-9)
     assert not math.isnan(float(out.sum()))
+
+
+def test_alpha_is_a_number_not_a_string_as_every_other_option():
+    """A YAML ``alpha: '0.3'`` is a string. Before, ``float()`` parsed it (and bytes) where eps_low's check refused
+    the same string: AR ran as if the config had a number."""
+    import numpy as np
+
+    from openrlhf_lopti.algo import check_alpha
+    from openrlhf_lopti.ops import fused_policy_loss
+
+    old, adv = torch.log(torch.tensor([0.2, 0.8])), torch.ones(2)
+    for bad in ("0.3", b"0.3", True, np.True_):
+        with pytest.raises(ValueError, match=r"^alpha must be a number in \[0, 1\], got "):
+            check_alpha(bad)
+        with pytest.raises(ValueError, match=r"^alpha must be a number"):
+            reweight_advantages(adv, old, bad)
+    with pytest.raises(ValueError, match=r"^alpha must be a number"):
+        fused_policy_loss(torch.zeros(2, 3), torch.tensor([0, 1]), old, adv, torch.ones(2, dtype=torch.bool), alpha="0.3")
+    assert check_alpha(np.float32(0.25)) == 0.25 and check_alpha(torch.tensor(0.5)) == 0.5

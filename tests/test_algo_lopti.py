@@ -186,3 +186,41 @@ def test_whatever_masked_positions_hold_the_rounds_metrics_are_those_of_its_resp
         assert all(torch.equal(d.mask[mask], c.mask) and not d.mask[~mask].any() for d, c in zip(dirty.phases, clean.phases))
     assert dirty.metrics["ar/mean_weight"] == pytest.approx(0.3 * (0.1 + 0.6 + 0.9 + 0.2 + 0.7) / 5 + 0.7)
     assert plan_round(padded, mask, None, 0.3).metrics == plan_round(old[mask], None, None, 0.3).metrics
+
+
+def test_the_token_at_a_quantile_ties_with_it_whatever_the_log_probs_dtype():
+    """p = [0.1, 0.3, 0.7], the median: the threshold is the middle token's p and a tie is high (LOPTI_ROUND.md).
+    Before, float64 log-probs compared their float64 p with the fp32 quantile (0.30000001 > 0.3): the tie went low."""
+    from openrlhf_lopti.algo import LoptiSettings, plan_round
+
+    p = torch.tensor([0.1, 0.3, 0.7], dtype=torch.float64)
+    for dtype in (torch.float32, torch.float64):
+        low = plan_round(p.log().to(dtype), None, LoptiSettings(quantile=0.5)).low
+        assert low.tolist() == [True, False, False], dtype
+
+
+def test_plan_round_refuses_an_alpha_or_settings_it_cannot_use():
+    """Before: ar_alpha -0.5 or NaN silently logged no ar/mean_weight, '0.3' and None raised a bare TypeError, a float
+    for ``lopti`` an AttributeError."""
+    from openrlhf_lopti.algo import plan_round
+
+    old = torch.log(torch.tensor([0.2, 0.8]))
+    for alpha, message in ((-0.5, "alpha must be in"), (float("nan"), "alpha must be in"),
+                           ("0.3", "alpha must be a number"), (None, "alpha must be a number")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            plan_round(old, None, None, ar_alpha=alpha)
+    with pytest.raises(ValueError, match=r"^lopti must be a LoptiSettings or None, got 0.5 \(float\)$"):
+        plan_round(old, None, 0.5)
+
+
+def test_lopti_settings_take_numpy_numbers_and_refuse_bools_and_strings():
+    """numpy's float32 is a number as the loss options read it (before: "eta must be ... got np.float32(0.5)")."""
+    import numpy as np
+
+    from openrlhf_lopti.algo import LoptiSettings
+
+    assert float(LoptiSettings(eta=np.float32(0.5)).eta) == 0.5
+    assert float(LoptiSettings(quantile=np.float32(0.25)).quantile) == 0.25
+    for bad in (np.True_, "0.5", True):
+        with pytest.raises(ValueError, match="eta must be a probability threshold"):
+            LoptiSettings(eta=bad)

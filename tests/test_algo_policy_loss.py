@@ -460,3 +460,27 @@ def test_eps_low_no_mask_and_the_defaults_of_the_helpers():
     logits[1, 0] = 3e38
     with pytest.raises(ValueError, match="temperature=1.0;"):
         check_logit_rows(torch.tensor([False, True]), logits)
+
+
+def test_the_reference_refuses_the_options_the_kernels_refuse():
+    """The reference is public (``openrlhf_lopti.algo``): before, a NaN kl_coef or eps_high gave a NaN loss, a
+    temperature of -1 the softmax of -logits, dual_clip 0.5 a wrong bound, and a string a bare TypeError."""
+    logits, labels = torch.zeros(3, 5), torch.tensor([0, 1, 2])
+    old, adv, mask = torch.full((3,), -1.6), torch.ones(3), torch.ones(3, dtype=torch.bool)
+    ref = torch.full((3,), -1.5)
+    for options, message in (
+        (dict(kl_coef=float("nan"), ref_log_probs=ref), "kl_coef must be a finite number"),
+        (dict(eps_high=float("nan")), "eps_high must be a finite number >= 0"),
+        (dict(eps_low=-1.0), r"eps_low must be in \[0, 1\)"),
+        (dict(dual_clip=0.5), "dual_clip must be None or a finite number > 1"),
+        (dict(alpha="0.3"), "alpha must be a number"),
+        (dict(eps_low="0.2"), "eps_low must be a number"),
+        (dict(kl_estimator="k4"), "kl_estimator must be one of"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            policy_loss_from_logp(old, old, adv, mask, **options)
+        with pytest.raises(ValueError, match=message):
+            policy_loss_from_logits(logits, labels, old, adv, mask, **options)
+    for temperature in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+            policy_loss_from_logits(logits, labels, old, adv, mask, temperature=temperature)

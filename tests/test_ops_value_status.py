@@ -95,6 +95,33 @@ def test_every_backend_sets_the_references_bits(backend):
     assert torch.isfinite(logits.grad[~flagged]).all() and torch.all(logits.grad[10] == 0)
 
 
+@pytest.mark.parametrize("head", ["triton", "cpp", "torch", "lm_head-torch", "lm_head-triton"])
+def test_a_flagged_rows_gradient_is_nan_even_where_its_loss_clamps(head):
+    """Row 1's label is out of range and its ratio far above 1 + eps (a positive advantage: the clip binds), row 2's
+    old log-prob is NaN. Their gradients must be NaN on every backend (KERNELS.md: "their gradient too"). Before, the
+    torch backend and both fused lm_head backends sent 0 there: autograd's backward of a clamp or a min that binds
+    sends 0, and the loss's NaN factor came after it."""
+    n, v, h = 3, 5, 4
+    g = torch.Generator().manual_seed(0)
+    labels, adv = torch.tensor([0, 7, 2]), torch.ones(n)
+    mask = torch.ones(n, dtype=torch.bool)
+    if head.startswith("lm_head"):
+        hidden = torch.randn(n, h, generator=g).requires_grad_(True)
+        weight = torch.randn(v, h, generator=g)
+        logp = torch.log_softmax(hidden.detach() @ weight.t(), -1)[torch.arange(n), labels.clamp(max=v - 1)]
+        old = torch.stack([logp[0], logp[1] - 4, torch.tensor(NAN)])
+        out = fused_linear_policy_loss(hidden, weight, labels, old, adv, mask, backend=head.split("-")[1], check="off")
+        leaf = hidden
+    else:
+        leaf = torch.zeros(n, v, requires_grad=True)  # uniform: logp = -log 5 on every row
+        old = torch.tensor([-1.609, -5.0, NAN])  # row 1: ratio e^3.4
+        out = fused_policy_loss(leaf, labels, old, adv, mask, backend=head, check="off")
+    assert torch.isnan(out.loss[1:]).all() and torch.isfinite(out.loss[0])
+    out.loss.sum().backward()
+    assert torch.isnan(leaf.grad[1:]).all(), leaf.grad
+    assert torch.isfinite(leaf.grad[0]).all() or head.startswith("lm_head")  # the lm_head's rows share the weight
+
+
 @pytest.mark.parametrize("backend", ["triton", "cpp", "torch"])
 def test_a_step_policy_call_makes_no_host_sync_forward_and_backward(backend):
     inputs, _ = _planted()

@@ -3,7 +3,7 @@
 Nothing here imports ray, deepspeed, vllm or openrlhf.
 """
 
-from .advantage import ar_weight, check_alpha, reweight_advantages
+from .advantage import ar_weight, reweight_advantages
 from .direction import DIRECTION_EDGES, direction_counts, direction_metrics, sum_direction_counts
 from .lopti import LOPTI_ORDERS, check_lopti_args
 from .lopti_round import (
@@ -19,9 +19,9 @@ from .lopti_round import (
     plan_round,
     round_threshold,
 )
+from .option_checks import KL_ESTIMATORS, check_alpha, check_options, clip_range_supported
 from .round_schedule import RoundSchedule
 from .policy_loss import (
-    KL_ESTIMATORS,
     PolicyLossOutput,
     approx_kl,
     policy_loss_from_logits,
@@ -43,6 +43,8 @@ __all__ = [
     "approx_kl",
     "ar_weight",
     "check_alpha",
+    "check_options",
+    "clip_range_supported",
     "check_lopti_args",
     "direction_counts",
     "direction_metrics",

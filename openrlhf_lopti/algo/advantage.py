@@ -2,19 +2,7 @@
 
 import torch
 
-
-def check_alpha(alpha: float) -> float:
-    """Return ``alpha`` as a float, or raise ``ValueError`` unless it is a number in [0, 1] (not a bool: a config's
-    ``true`` would read as 1.0)."""
-    if isinstance(alpha, bool):
-        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
-    try:
-        value = float(alpha)
-    except (TypeError, ValueError):
-        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}") from None
-    if not 0.0 <= value <= 1.0:  # also rejects NaN
-        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-    return value
+from .option_checks import check_alpha
 
 
 def ar_weight(old_log_probs: torch.Tensor, alpha: float) -> torch.Tensor:

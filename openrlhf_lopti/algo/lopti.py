@@ -5,21 +5,21 @@ from typing import Optional
 
 import torch
 
+from .option_checks import real_number
+
 LOPTI_ORDERS = ("low_first", "high_first")
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_lopti_args(eta: float, order: str, quantile: Optional[float]) -> None:
     """Raise ``ValueError`` naming the argument unless eta in (0, 1], order known, quantile in (0, 1) (numbers, not
     bools: a config's ``true`` would read as 1)."""
-    if not _number(eta) or not 0.0 < float(eta) <= 1.0:  # NaN fails the comparison too
+    value = real_number(eta)
+    if value is None or not 0.0 < value <= 1.0:  # NaN fails the comparison too
         raise ValueError(f"eta must be a probability threshold in (0, 1], got {eta!r}")
     if order not in LOPTI_ORDERS:
         raise ValueError(f"order must be one of {LOPTI_ORDERS}, got {order!r}")
-    if quantile is not None and (not _number(quantile) or not 0.0 < float(quantile) < 1.0):
+    value = None if quantile is None else real_number(quantile)
+    if quantile is not None and (value is None or not 0.0 < value < 1.0):
         raise ValueError(f"quantile must be in (0, 1) or None, got {quantile!r}")
 
 

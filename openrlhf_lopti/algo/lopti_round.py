@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .advantage import ar_weight
+from .option_checks import check_alpha
 from .lopti import check_lopti_args, quantile_threshold
 
 PHASE_NAMES = {"low_first": ("low", "high"), "high_first": ("high", "low")}
@@ -158,6 +159,9 @@ def plan_round(
         ValueError: mismatched shapes (before any collective), or NaN log-probs on a response token of any
             process (on every process, after the all-reduce).
     """
+    if lopti is not None and not isinstance(lopti, LoptiSettings):
+        raise ValueError(f"lopti must be a LoptiSettings or None, got {lopti!r} ({type(lopti).__name__})")
+    ar_alpha = check_alpha(ar_alpha)
     offsets = None
     if old_log_probs.is_nested or (response_mask is not None and response_mask.is_nested):
         offsets = _jagged_offsets(old_log_probs, response_mask)
@@ -183,7 +187,9 @@ def plan_round(
     threshold, low = None, None
     if lopti is not None:
         threshold = round_threshold(probs[response & ~torch.isnan(probs)], lopti, gather)
-        low = response & (probs < threshold)
+        # A quantile is taken over fp32 probabilities (what the processes gather): they are compared in fp32 too, so
+        # that the token at the quantile ties with it (high) whatever the log-probs' dtype.
+        low = response & ((probs if lopti.quantile is None else probs.float()) < threshold)
         sums["low_tokens"] = float(low.sum())
     if all_reduce is not None:
         sums = {key: float(value) for key, value in all_reduce(sums).items()}

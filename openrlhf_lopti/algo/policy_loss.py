@@ -36,8 +36,8 @@ from typing import Optional, Tuple
 import torch
 
 from .advantage import ar_weight
+from .option_checks import KL_ESTIMATORS, check_options, check_temperature
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0  # OpenRLHF clamps log(pi/pi_old) before exp
 KL_CLAMP = 10.0  # OpenRLHF clamps the KL estimate to [-10, 10]
 
@@ -115,7 +115,13 @@ def policy_loss_from_logp(
     Returns:
         :class:`PolicyLossOutput` with fp32 ``loss``, ``logp`` (masked copy of the input), ``kl``,
         bool ``clipped``; ``entropy`` is None.
+
+    Raises:
+        ValueError: an option that is not a number in its range (:func:`.option_checks.check_options`). The
+            values are the formula's (no host sync): a NaN input gives a NaN loss; ``ops.fused_policy_loss``
+            flags such rows (``LossOptions.check``).
     """
+    check_options(alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, 1.0)
     keep = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask.bool()
     zero = logp.new_zeros((), dtype=torch.float32)
     # Masked rows are inert: padding may hold inf/NaN, and 0 * inf in a backward would be NaN.
@@ -289,8 +295,12 @@ def policy_loss_from_logits(
     :func:`policy_loss_and_bad_rows`.
 
     Raises:
-        ValueError: an unmasked logits row holds a NaN or +inf, or only -inf (:func:`check_logit_rows`).
+        ValueError: an option out of its range, as :func:`policy_loss_from_logp` (``temperature`` a finite number
+            > 0); an unmasked logits row holds a NaN or +inf, or only -inf (:func:`check_logit_rows`). Labels
+            outside ``[0, V)`` are clamped and other values not checked (:func:`token_logprobs`): the kernels'
+            status bits do that.
     """
+    check_temperature(options.get("temperature", 1.0))  # the other options: policy_loss_from_logp
     out, bad_rows = policy_loss_and_bad_rows(logits, labels, old_log_probs, advantages, mask, **options)
     check_logit_rows(bad_rows, logits, options.get("temperature", 1.0))
     return out

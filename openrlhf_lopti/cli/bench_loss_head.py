@@ -52,7 +52,7 @@ from typing import Callable, Optional
 import torch
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
-from openrlhf_lopti.ops.fused_policy_loss import check_options
+from openrlhf_lopti.algo import check_options
 
 
 def default_results_dir() -> Path:
@@ -457,7 +457,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     """Raise :class:`UserError` naming the first flag whose value the benchmark (or the loss it times) cannot take.
 
     Called on the flags as given, before any default is filled in or any input built; the loss's options by the
-    loss's own check (``ops.fused_policy_loss.check_options``), its message naming the flag.
+    loss's own check (``algo.check_options``), its message naming the flag.
     """
     for flag in ("n", "v", "seq_len", "repeats"):
         value = getattr(args, flag)

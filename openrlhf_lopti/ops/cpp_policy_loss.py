@@ -312,4 +312,5 @@ def cpp_policy_loss(
     return finish_per_token(
         out, bad_rows, logits.shape[1], labels, old_log_probs, advantages, mask, ref_log_probs, temperature,
         loss_weights, entropy_weights, "cpp", logits.__getitem__,  # overwritten only later, in the backward
+        nan_gradient=False,  # the kernel's backward writes a flagged row's NaN gradient itself
     )  # fmt: skip

@@ -8,20 +8,18 @@ makes anyway (``ops/value_status.py``), read when the check policy (``check``) s
 optimizer step, or never. No host sync otherwise.
 """
 
-import math
 from collections import Counter
 from typing import Dict, Optional
 
 import torch
 
-from ..algo import KL_ESTIMATORS, check_alpha
+from ..algo.option_checks import check_options
 from .loss_head_output import LossHeadOutput
 from .loss_options import LossOptions, resolve_options
 from .torch_policy_loss import torch_policy_loss
 
 BACKENDS = ("auto", "triton", "cpp", "torch")
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _check_inputs(
@@ -103,63 +101,6 @@ def _check_row_inputs(
 
     # The values (ids in range, finite floats, finite log-sum-exp per row) are checked by each backend as status
     # bits in the pass it makes anyway (ops/value_status.py), and read when the check policy says.
-
-
-def check_options(
-    alpha: float,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: Optional[float],
-    kl_coef: float,
-    kl_estimator: str,
-    temperature: float,
-) -> None:
-    """The loss's options, checked: a one-line ``ValueError`` starting with the option's name unless each is a number
-    (not a bool or a string) that float32 holds, in its range (``fused_policy_loss``'s docstring)."""
-    check_alpha(alpha)
-    eps_low, eps_high, kl_coef, temperature = (
-        _number(name, value)
-        for name, value in (("eps_low", eps_low), ("eps_high", eps_high), ("kl_coef", kl_coef),
-                            ("temperature", temperature))
-    )  # fmt: skip
-    if not clip_range_supported(eps_low, 0.0):
-        raise ValueError(f"eps_low must be in [0, 1), got {eps_low!r}")
-    if not clip_range_supported(0.0, eps_high):
-        raise ValueError(f"eps_high must be a finite number >= 0, got {eps_high!r}")
-    if dual_clip is not None:
-        clip = _number("dual_clip", dual_clip)
-        if not (clip > 1.0 and _in_float32(clip)):
-            raise ValueError(f"dual_clip must be None or a finite number > 1, got {dual_clip!r}")
-    if not _in_float32(kl_coef):
-        raise ValueError(f"kl_coef must be a finite number, got {kl_coef!r}")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    if not (temperature > 0 and _in_float32(temperature) and _in_float32(1.0 / temperature)):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-
-
-def clip_range_supported(eps_low: float, eps_high: float) -> bool:
-    """Whether the kernel clips the ratio to ``[1 - eps_low, 1 + eps_high]``: ``eps_low`` in [0, 1) (a lower bound
-    above 0: the kernel clips the log-ratio) and ``eps_high`` a finite number >= 0. The frameworks' own losses take
-    other values too (``eps_low = 1``: no lower clip); a front end runs those on its framework's loss."""
-    return 0.0 <= eps_low < 1.0 and eps_high >= 0.0 and _in_float32(eps_high)
-
-
-def _number(name: str, value) -> float:
-    """``value`` as a float, or a one-line ``ValueError`` naming ``name``: a real number (a Python or numpy number, a
-    one-element tensor), not a bool or a string (a YAML ``1e-3`` is the string ``'1e-3'``; a config's ``true`` is
-    not 1)."""
-    if not isinstance(value, (bool, str, bytes)):
-        try:
-            return float(value)
-        except (TypeError, ValueError, RuntimeError):
-            pass
-    raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-
-
-def _in_float32(value: float) -> bool:
-    """Finite once rounded to float32, the precision of the loss (a float64 1e39 is finite, its float32 is inf)."""
-    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
 
 
 def resolve_backend(backend: str, logits: torch.Tensor) -> str:

@@ -12,6 +12,22 @@ from .loss_head_output import LossHeadOutput
 from .value_status import BAD_LOGITS, ValueStatus, input_status
 
 
+class _NanGradientOnRows(torch.autograd.Function):
+    """Zeros ``[N]`` in the forward; in the backward, NaN for the input's flagged rows (0 on the others). Added to the
+    loss, it makes a flagged row's gradient NaN whatever the loss does with it: a NaN times the loss would not, since
+    autograd's backward of a clamp or a min that binds sends 0, not NaN (a clipped ratio, a NaN old log-prob)."""
+
+    @staticmethod
+    def forward(ctx, logp: torch.Tensor, flagged: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(flagged)
+        return torch.zeros_like(logp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (flagged,) = ctx.saved_tensors
+        return torch.where(flagged, float("nan"), 0.0).to(grad.dtype), None
+
+
 def finish_per_token(
     out: PolicyLossOutput,
     bad_logit_rows: torch.Tensor,
@@ -26,19 +42,23 @@ def finish_per_token(
     entropy_weights: Optional[torch.Tensor],
     backend: str,
     row_logits: Optional[Callable[[int], torch.Tensor]] = None,
+    nan_gradient: bool = True,
 ) -> LossHeadOutput:
     """A per-token backend's output (``out``, ``[N]`` fields with autograd) as a :class:`LossHeadOutput`.
 
     Adds the status bits (the inputs' and ``bad_logit_rows [N]`` bool, what the backend found in its pass over the
-    ``[N, vocab_size]`` logits; ``row_logits`` gives row ``i``'s for the message, when it can), NaN in ``loss``, ``logp`` and ``kl`` of every flagged row (times NaN, so their gradient is NaN too, as the
-    Triton kernel's), and with ``loss_weights`` the reduced scalar, the only field left with a gradient. No host
-    sync.
+    ``[N, vocab_size]`` logits; ``row_logits`` gives row ``i``'s for the message, when it can), NaN in ``loss``,
+    ``logp`` and ``kl`` of every flagged row and in its gradient (:class:`_NanGradientOnRows`, as the Triton
+    kernel's; ``nan_gradient=False`` where the backend's own backward writes it), and with ``loss_weights`` the
+    reduced scalar, the only field left with a gradient. No host sync.
     """
     keep = mask.bool()
     rows = input_status(labels, old_log_probs, advantages, keep, ref_log_probs, vocab_size)
     rows = rows | torch.where(keep & bad_logit_rows, BAD_LOGITS, 0).to(torch.int32)
     poison = torch.where(rows != 0, float("nan"), 1.0).float()
     loss, logp, kl = out.loss * poison, out.logp * poison, out.kl * poison
+    if nan_gradient and out.logp.requires_grad:  # through the log-prob: NaN on flagged rows, even where the loss clamps
+        loss = loss + _NanGradientOnRows.apply(out.logp, rows != 0)
     entropy = out.entropy
     reduced = None
     if loss_weights is not None:
