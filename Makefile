@@ -55,7 +55,9 @@ NUMERICS_TESTS := tests/test_ops_cpp.py tests/test_ops_fused_policy_loss.py test
 # One after the other they kept a 2-core machine 64% busy (Ray, vLLM and DeepSpeed start-ups wait more than they
 # compute); they share no test, port or Ray cluster (every test takes free ports, every Ray is private), and .venv
 # comes first so that the two editable installs never write the checkout's egg-info at once. verl's output goes to
-# $(VERL_TEST_LOG) and is printed after the main track's; make test fails if either fails.
+# $(VERL_TEST_LOG) and is printed after the main track's; make test fails if either fails. The main track runs on
+# two pytest-xdist workers, a file at a time, the Ray / vLLM files as one unit (tests/conftest.py): a start-up
+# chain (a process importing, then spawning the next) keeps one core busy, so one suite alone left the other idle.
 VERL_TEST_LOG := build/test-verl.log
 test: export OMP_WAIT_POLICY ?= PASSIVE
 test: install
