@@ -9,10 +9,12 @@ from typing import Callable, Iterator, Optional
 import torch
 
 # config attributes by which a model transforms its logits (or the hidden states the head reads) outside the output
-# layer, with the value that means "no transform": Gemma / nanochat's soft cap, Cohere's scale, Granite's divisor,
-# Falcon-H1's and MuseGlimmer's multipliers, Inkling's muP divisor
+# layer, with the value that means "no transform": Gemma / nanochat's, RecurrentGemma's and xLSTM's soft caps,
+# Cohere's scale, Granite's divisor, Falcon-H1's and MuseGlimmer's multipliers, Inkling's muP divisor
 _LOGIT_TRANSFORMS = {
     "final_logit_softcapping": None,
+    "logits_soft_cap": None,
+    "output_logit_soft_cap": None,
     "logit_scale": 1.0,
     "logits_scaling": 1.0,
     "lm_head_multiplier": 1.0,

@@ -170,3 +170,31 @@ def test_models_that_transform_their_logits_are_refused(tiny, name, value):
     setattr(model.config, name, value)
     with pytest.raises(ValueError, match=f"^--fused-lm-head does not support .*{name}={value!r}"):
         lm_head_parts(model)
+
+
+def test_real_models_whose_forward_caps_their_logits_are_refused():
+    """RecurrentGemma and xLSTM soft-cap their logits in their own forward, under names of their own (found by reading
+    transformers' modeling files for ``self.config.*cap*``): built from their real configs, each is refused, and
+    RecurrentGemma's cap is shown to change the log-probs, so a head run without it would train on other ones."""
+    import transformers
+
+    tiny_recurrent_gemma = transformers.RecurrentGemmaConfig(
+        num_hidden_layers=2, vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=1, lru_width=32, attention_window_size=16, conv1d_width=4,
+        block_types=["recurrent", "attention"], head_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.RecurrentGemmaForCausalLM(tiny_recurrent_gemma).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # logits past its default cap of 30
+        ids = torch.randint(0, 64, (1, 6))
+        uncapped = model.lm_head(model.model(ids).last_hidden_state).log_softmax(-1)
+        assert (uncapped - model(ids).logits.log_softmax(-1)).abs().max() > 1.0
+    with pytest.raises(ValueError, match=r"^--fused-lm-head does not support .*logits_soft_cap=30\.0"):
+        lm_head_parts(model)
+
+    xlstm = transformers.xLSTMConfig()  # its default caps too; the check reads the config, not the layers
+    assert xlstm.output_logit_soft_cap is not None
+    only_its_config = type("Model", (), {"config": xlstm, "get_output_embeddings": lambda self: torch.nn.Linear(2, 3)})
+    with pytest.raises(ValueError, match=r"output_logit_soft_cap="):
+        lm_head_parts(only_its_config())

@@ -3,7 +3,9 @@
 conftest), and the CUDA decision is taken on a stand-in for CUDA logits (it reads only ``is_cuda`` and ``device``)."""
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -306,6 +308,46 @@ def test_check_gpu_reports_the_skipped_cases_and_its_verdict(monkeypatch, capsys
         "skipped: N=14336 V=151936 T=1.0 bfloat16 (needs 15.2 GB, 9.0 GB free)"
     )
     assert cli_main(["check-gpu", "--no-bench"]) == 1 and "FAILED in 1.5 s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--device", "gpu0"], "--device must be cuda or cuda:<index>, got 'gpu0'"),
+     (["--bench-n", "0"], "--bench-n must be an integer >= 1, got 0"),
+     (["--bench-v", "-5"], "--bench-v must be an integer >= 1, got -5"),
+     (["--bench-n", "1500"], "--bench-n must be at most 1024 or a multiple of it (the benchmark's tokens per sequence), "
+                             "got 1500")],
+)  # fmt: skip
+def test_check_gpu_refuses_a_bad_flag_in_one_line_before_the_self_check(monkeypatch, capsys, flags, message):
+    """The wide self-check takes minutes on a GPU: a bad benchmark flag was found only after it, under `bench`'s flag
+    names (--n), and a bad --device was a traceback. On a (stand-in) GPU the check must not even start."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    started = []
+    monkeypatch.setattr(self_check, "run_self_check", lambda *a: started.append(a))
+    assert cli_main(["check-gpu", *flags]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"openrlhf-lopti check-gpu: error: {message}"]
+    assert started == []
+
+
+def test_check_gpu_benchmarks_the_device_it_checked(monkeypatch):
+    """`--device cuda:1` checked cuda:1 but benchmarked `cuda` (the current device)."""
+    from openrlhf_lopti.cli import bench_loss_head
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    properties = SimpleNamespace(name="Stand-in GPU", major=9, minor=0, total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    monkeypatch.setattr(self_check, "run_self_check", lambda device, cases: self_check.SelfCheck(True, 1.0, {}, {}))
+    flags = []
+
+    def bench(argv):  # writes a table without rows where the benchmark writes its JSON
+        flags.extend(argv)
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps({"rows": []}))
+        return 0
+
+    monkeypatch.setattr(bench_loss_head, "main", bench)
+    assert cli_main(["check-gpu", "--device", "cuda:1", "--bench-n", "512"]) == 0
+    pairs = dict(zip(flags[::2], flags[1::2]))
+    assert (pairs["--device"], pairs["--n"], pairs["--seq-len"]) == ("cuda:1", "512", "512")
 
 
 def test_rounding_left_where_the_reference_gradient_cancels_to_zero_passes_and_a_real_error_there_fails(monkeypatch):

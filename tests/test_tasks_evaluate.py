@@ -221,3 +221,37 @@ def test_a_math_label_must_be_a_string_or_a_number(tmp_path, capsys, monkeypatch
         "got list '[1]'"
     )
     assert not (tmp_path / "ev").exists()
+
+
+def test_a_prompt_without_responses_is_refused_not_dropped(tmp_path, capsys):
+    """`"responses": []` was skipped: 1 of 3 prompts scored, and the table said accuracy 1.0 over "1 prompt"."""
+    gens = tmp_path / "gens.jsonl"
+    rows = [{"label": "5", "responses": ["\\boxed{5}"]}, {"label": "6", "responses": []}]
+    gens.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _cli_fails(capsys, ["eval", "--task", "math", "--generations", str(gens), "--out", str(tmp_path / "ev")]) == (
+        f"openrlhf-lopti eval: error: {gens} line 2: 'responses' is empty; each prompt needs at least one response "
+        "to score"
+    )
+
+
+def test_an_empty_math_label_and_negative_threads_are_refused(tmp_path, capsys):
+    gens = tmp_path / "gens.jsonl"
+    gens.write_text(json.dumps({"label": " ", "response": "\\boxed{}"}) + "\n")
+    argv = ["eval", "--task", "math", "--generations", str(gens), "--out", str(tmp_path / "ev")]
+    assert _cli_fails(capsys, argv) == (
+        f"openrlhf-lopti eval: error: {gens} line 1: 'label' is empty; a math label is the answer"
+    )
+    assert _cli_fails(capsys, [*argv, "--threads", "-1"]) == (
+        "openrlhf-lopti eval: error: --threads must be >= 0 (0: torch's choice), got -1"
+    )  # was torch's RuntimeError, a traceback
+
+
+def test_a_row_holding_a_unicode_line_separator_reads_back(tmp_path):
+    """str.splitlines cut a JSON line at U+2028 / U+2029 / U+0085, which write_jsonl writes unescaped: a model's
+    generations.jsonl could not be read back by `eval --generations`."""
+    from openrlhf_lopti.tasks import load_rows, write_jsonl
+
+    rows = [{"label": "5", "response": f"a{sep}b \\boxed{{5}}"} for sep in ("\u2028", "\u2029", "\u0085")]
+    write_jsonl(tmp_path / "g.jsonl", rows)
+    assert load_rows(tmp_path / "g.jsonl")[0] == rows
+    assert evaluate.main(["--task", "math", "--generations", str(tmp_path / "g.jsonl"), "--out", str(tmp_path / "e")]) == 0

@@ -571,3 +571,27 @@ def test_load_public_messages(tmp_path, row, verify, message):
     with pytest.raises(ValueError) as err:
         kk.load_public(path, verify=verify)
     assert str(err.value) == f"{path} {message}"
+
+
+def test_a_label_line_with_two_people_is_refused_not_read_as_one():
+    """The public solution_text ("Alice is a knight, and Bruno is a knave.") on one line was read as Alice alone,
+    so a response wrong about Bruno scored +2."""
+    prompt = "Alice and Bruno live on an island."
+    wrong_about_bruno = "<think>r</think><answer>(1) Alice is a knight\n(2) Bruno is a knight</answer>"
+    for label in ("Alice is a knight, and Bruno is a knave.", "(1) Alice is a knight (2) Bruno is a knave"):
+        with pytest.raises(ValueError, match="holds more than one person; one '\\(k\\) Name is a knight' per line"):
+            kk.reward(prompt + wrong_about_bruno, label)
+    assert kk.reward(wrong_about_bruno, "(1) Alice is a knight\n(2) Bruno is a knave") == -0.5
+
+
+def test_load_public_reads_roles_written_as_strings_and_refuses_others(tmp_path):
+    """Some exports write the roles as "True" / "False": bool("False") made every such person a knight."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"quiz": "q", "names": ["A", "B", "C"], "solution": ["True", "False", "true"]}) + "\n")
+    (rec,) = kk.load_public(path)
+    assert rec["solution"] == [True, False, True]
+    assert rec["solution_text_format"] == "(1) A is a knight\n(2) B is a knave\n(3) C is a knight"
+    for role in ("knave", 2, None):
+        path.write_text(json.dumps({"quiz": "q", "names": ["A"], "solution": [role]}) + "\n")
+        with pytest.raises(ValueError, match=re.escape(f"{path} line 1: a role in 'solution' is {role!r}; each must")):
+            kk.load_public(path)

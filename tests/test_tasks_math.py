@@ -455,3 +455,56 @@ def test_value_computes_without_sympy_evaluation():
     x = sympy.Symbol("x")
     assert m._value(sympy.Pow(x, 3, evaluate=False), {x: m.Fraction(13, 7)}, ctx) == m.Fraction(13, 7) ** 3  # exact
     assert not m.is_equiv("\\tan((\\sin(\\pi))^{-99})", "2")  # an evalf precision chase: past 10^400, no value
+
+
+# A unit written as \text{..} after the answer (MATH's "\text{ " rule), after any expression, one letter too.
+UNITS_EQUIVALENT = [
+    ("5", "5\\text{ m}"),
+    ("12", "12\\text{ s}"),
+    ("6", "6\\text{ m}^2"),
+    ("\\frac{1}{2}", "\\frac{1}{2}\\text{ cm}"),
+    ("\\frac12", "\\frac{1}{2}\\text{cm}"),
+    ("2\\sqrt{3}", "2\\sqrt{3}\\text{ cm}"),
+    ("(1,2)", "(1,2)\\text{ units}"),
+]
+UNITS_DIFFERENT = [
+    ("e", "\\mathrm{e}^2"),  # one letter without a space is a symbol (Euler's e), and its power stays
+    ("5", "6\\text{ m}"),
+    ("5", "\\text{ m}"),  # nothing before the text: it is the answer, not a unit
+]
+
+
+@pytest.mark.parametrize("pred, truth", UNITS_EQUIVALENT)
+def test_a_text_unit_after_any_answer_is_dropped(pred, truth):
+    assert m.is_equiv(pred, truth) and m.is_equiv(truth, pred)
+
+
+@pytest.mark.parametrize("pred, truth", UNITS_DIFFERENT)
+def test_text_that_is_not_a_trailing_unit_stays(pred, truth):
+    assert not m.is_equiv(pred, truth) and not m.is_equiv(truth, pred)
+
+
+@pytest.mark.parametrize("box", ["\\boxed{}", "\\boxed{ }", "\\boxed{\\,}", "\\boxed{$$}"])
+def test_an_empty_answer_is_never_right_not_even_against_an_empty_label(box):
+    assert m.reward(f"so {box}", "") == 0.0 and m.reward(f"so {box}", "5") == 0.0
+    assert m.reward("so \\boxed{5}", "") == 0.0
+
+
+def test_data_math_takes_a_one_answer_list_and_refuses_empty_or_other_answers(tmp_path):
+    """OlympiadBench's final_answer is a list of one string: it was written as the label "['$\\\\frac{1}{2}$']",
+    which no answer matches; an empty answer made every empty box right."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"question": "q", "final_answer": ["$\\frac{1}{2}$"]}) + "\n")
+    flags = ["math", "--input", str(src), "--benchmark", "olympiad", "--out", str(out), "--problem-key", "question"]
+    assert data.main([*flags, "--answer-key", "final_answer"]) == 0
+    label = json.loads(out.read_text())["label"]
+    assert label == "$\\frac{1}{2}$" and m.reward("\\boxed{\\frac{1}{2}}", label) == 1.0
+    for answer, says in [("", "'final_answer' is empty"), ("  ", "'final_answer' is empty"),
+                         (["1", "2"], "'final_answer' must be a string or a number (the answer), got list"),
+                         ({"a": 1}, "'final_answer' must be a string or a number"), (True, "got bool")]:  # fmt: skip
+        src.write_text(json.dumps({"question": "q", "final_answer": answer}) + "\n")
+        with pytest.raises(data.UserError, match=f"^{src} line 1: .*{says}".replace("(", r"\(").replace(")", r"\)")):
+            data.main([*flags, "--answer-key", "final_answer", "--overwrite"])
+    src.write_text(json.dumps({"question": "q", "solution": "so \\boxed{}"}) + "\n")
+    with pytest.raises(data.UserError, match=r"the \\boxed\{\} of 'solution' is empty"):
+        data.main([*flags, "--overwrite"])

@@ -10,6 +10,7 @@ torch reference and Triton kernel on the same inputs.
 
 import json
 import platform
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -17,7 +18,9 @@ from typing import List, Optional
 
 import torch
 
-from openrlhf_lopti.errors import ArgumentParser
+from openrlhf_lopti.errors import ArgumentParser, UserError
+
+BENCH_SEQ_LEN = 1024  # tokens per sequence of the benchmark; N up to it is one sequence
 
 
 def _driver_version() -> str:
@@ -31,14 +34,15 @@ def _driver_version() -> str:
         return "unknown"
 
 
-def _benchmark(n: int, v: int) -> List[str]:
-    """Report lines of the loss-head benchmark at ``[n, v]`` bf16 logits (ms and GB per backend, and the ratios
-    against OpenRLHF's)."""
+def _benchmark(device: str, n: int, v: int) -> List[str]:
+    """Report lines of the loss-head benchmark on ``device`` at ``[n, v]`` bf16 logits (ms and GB per backend, and
+    the ratios against OpenRLHF's)."""
     from openrlhf_lopti.cli.bench_loss_head import main as bench
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench.json"
-        flags = ["--device", "cuda", "--n", str(n), "--v", str(v), "--dtype", "bf16", "--ar-alpha", "0"]
+        flags = ["--device", device, "--n", str(n), "--v", str(v), "--seq-len", str(min(BENCH_SEQ_LEN, n))]
+        flags += ["--dtype", "bf16", "--ar-alpha", "0"]
         bench([*flags, "--backends", "openrlhf,torch,triton", "--json", str(path)])
         rows = json.loads(path.read_text())["rows"]
     lines = [f"benchmark: N={n} V={v} bf16, one forward + backward of the loss head"]
@@ -68,6 +72,15 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--bench-n", type=int, default=8192, help="tokens of the benchmark (default 8192)")
     parser.add_argument("--bench-v", type=int, default=151936, help="vocabulary of the benchmark (default 151936)")
     args = parser.parse_args(argv)
+    # checked before the self-check (minutes on a wide grid), so a bad flag does not cost them
+    if not re.fullmatch(r"cuda(:[0-9]+)?", args.device):
+        raise UserError(f"--device must be cuda or cuda:<index>, got {args.device!r}")
+    for flag, value in (("--bench-n", args.bench_n), ("--bench-v", args.bench_v)):
+        if value < 1:
+            raise UserError(f"{flag} must be an integer >= 1, got {value}")
+    if args.bench_n > BENCH_SEQ_LEN and args.bench_n % BENCH_SEQ_LEN:
+        raise UserError(f"--bench-n must be at most {BENCH_SEQ_LEN} or a multiple of it (the benchmark's tokens per "
+                        f"sequence), got {args.bench_n}")  # fmt: skip
     if not torch.cuda.is_available():
         print(f"check-gpu: no CUDA device visible to torch {torch.__version__} on this machine: nothing to check.")
         return 0
@@ -93,7 +106,7 @@ def main(argv: Optional[list] = None) -> int:
     cases = f"{len(grid)} cases, {len(result.skipped)} skipped"  # the skipped ones, and why: in the summary
     lines.append(f"self-check ({cases}, forward and backward vs the torch reference): {result.summary()}")
     if not args.no_bench:
-        lines += _benchmark(args.bench_n, args.bench_v)
+        lines += _benchmark(args.device, args.bench_n, args.bench_v)
     print("\n".join(lines))
     return 0 if result.ok else 1
 

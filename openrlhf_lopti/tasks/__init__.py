@@ -80,7 +80,9 @@ def load_rows(path: str | Path, flag: str = "") -> tuple[list[dict], list[str]]:
         where = [f"{path} row {i + 1}" for i in range(len(items))]
     else:
         items, where = [], []
-        for lineno, line in enumerate(text.splitlines(), start=1):
+        # "\n" only: str.splitlines also breaks at U+2028 / U+2029 / U+0085, which JSON strings may hold unescaped
+        # (write_jsonl writes them so), and would cut such a row in two
+        for lineno, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
                 continue
             try:

@@ -177,12 +177,19 @@ def math_records(
         if problem_key not in row:
             raise UserError(f"{at}: no {problem_key!r} key (the row has {keys}); pass --problem-key with the "
                             "name of the problem field")  # fmt: skip
-        answer = row.get(answer_key)
+        answer, named = row.get(answer_key), repr(answer_key)
         if answer is None and isinstance(row.get("solution"), str):
-            answer = math_task.last_boxed(row["solution"])
+            answer, named = math_task.last_boxed(row["solution"]), "the \\boxed{} of 'solution'"
         if answer is None:
             raise UserError(f"{at}: no {answer_key!r} key and no 'solution' with a \\boxed{{}} answer (the row "
                             f"has {keys}); pass --answer-key with the name of the answer field")  # fmt: skip
+        if isinstance(answer, list) and len(answer) == 1:  # OlympiadBench's final_answer: a list of one answer
+            answer = answer[0]
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise UserError(f"{at}: {named} must be a string or a number (the answer), got "
+                            f"{type(answer).__name__} {str(answer)[:60]!r}")  # fmt: skip
+        if not str(answer).strip():
+            raise UserError(f"{at}: {named} is empty; every problem needs its answer")
         out.append(
             {
                 "prompt": math_task.make_prompt(str(row[problem_key])),

@@ -119,6 +119,8 @@ def _check_label(rec: dict, task: str, at: str, key: str = "label") -> None:
     if task == "math" and (isinstance(label, bool) or not isinstance(label, (str, int, float))):
         raise UserError(f"{at}: {key!r} must be a string or a number (the math answer), got {type(label).__name__} "
                         f"{str(label)[:60]!r}")  # fmt: skip
+    if task == "math" and not str(label).strip():
+        raise UserError(f"{at}: {key!r} is empty; a math label is the answer")
 
 
 def _checked_group(group_of, rec: dict, at: str) -> str:
@@ -159,8 +161,8 @@ def evaluate(records: Iterable[dict], task: str, where: list[str] | None = None)
     score, group_of = (_score_kk, _kk_group) if task == "kk" else (_score_math, _math_group)
     groups: dict[str, list[list[dict[str, float]]]] = {}
     for rec, at in _merge(records, where):
-        if not rec["responses"]:
-            continue
+        if not rec["responses"]:  # a prompt never sampled is neither right nor wrong: refused, not dropped
+            raise UserError(f"{at}: 'responses' is empty; each prompt needs at least one response to score")
         _check_label(rec, task, at)
         group = _checked_group(group_of, rec, at)
         try:
@@ -314,6 +316,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--temperature 0 is greedy decoding, one answer per prompt: with --n-samples "
                         f"{args.n_samples} pass a --temperature > 0 (the default for --n-samples > 1 is 1.0), or "
                         "--n-samples 1")  # fmt: skip
+    if args.threads < 0:
+        raise UserError(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
 

@@ -340,6 +340,7 @@ def prompt_text(record: dict) -> str:
 
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 _LABEL_LINE = re.compile(r"^\s*(?:\(\d+\)\s*)?(\S.*?)\s+is\s+an?\s+(knight|knave)\b", re.IGNORECASE)
+_CLAIM = re.compile(r"\bis\s+an?\s+(?:knight|knave)\b", re.IGNORECASE)
 
 
 def format_ok(response: str) -> bool:
@@ -365,6 +366,8 @@ def parse_solution_text(solution_text: str) -> tuple[list[str], list[bool]]:
         m = _LABEL_LINE.match(line)
         if m is None:
             raise ValueError(f"cannot read label line {line!r}")
+        if len(_CLAIM.findall(line)) > 1:  # "Alice is a knight, and Bruno is a knave.": only Alice would be read
+            raise ValueError(f"label line {line!r} holds more than one person; one '(k) Name is a knight' per line")
         names.append(m.group(1).strip())
         roles.append(m.group(2).lower() == "knight")
     if not names:
@@ -441,6 +444,16 @@ def reward(response: str, solution_text_format: str) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
+def _role(value, at: str) -> bool:
+    """A stored role as a bool (True = knight): a bool, 0 / 1, or the strings "true" / "false" (any case) that some
+    exports write; bool("False") would be True."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "bool" or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise UserError(f"{at}: a role in 'solution' is {value!r}; each must be true / false (knight / knave)")
+
+
 def load_public(path: str | Path, *, verify: bool = False) -> list[dict]:
     """Records of a public K&K file (jsonl, json list or parquet), normalised.
 
@@ -458,7 +471,7 @@ def load_public(path: str | Path, *, verify: bool = False) -> list[dict]:
             raise UserError(f"{at}: missing keys {missing}; a public K&K row has quiz, names, solution, statements")
         rec = dict(row)
         rec["names"] = [str(n) for n in rec["names"]]
-        rec["solution"] = [bool(s) for s in rec["solution"]]
+        rec["solution"] = [_role(s, at) for s in rec["solution"]]
         if len(rec["names"]) != len(rec["solution"]):
             raise UserError(f"{at}: {len(rec['names'])} names but {len(rec['solution'])} roles")
         if not rec.get("solution_text_format"):

@@ -93,6 +93,11 @@ _UNIT_SUFFIX = re.compile(
     r"([-+]?[\d.,]+(?:/\d+)?)\s+(?!(?:pi|sqrt|and|or|i)\b|(?:" + _MAGNITUDE_WORDS + r"))"
     r"[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*\.?"
 )
+# A unit written as text after the answer, the whole rest of it: 5\text{ m}, \frac{1}{2}\text{cm}, 6\text{ m}^2
+# (MATH's rule: "\text{ " marks a unit). One letter counts only after a space ("\text{ m}"), never as \mathrm{e}.
+_TEXT_UNIT = re.compile(
+    r"(?<=[\w})\]])\s*\\(?:text|mathrm|mbox)\s*\{(?:\s+[a-zA-Z]|\s*[a-zA-Z]{2,})[a-zA-Z ]*\}(?:\^\{?[23]\}?)?\s*$"
+)
 _MAGNITUDE = re.compile(  # the trailing words are units; "5 hundred thousand" is left alone
     r"([-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)\s*(" + _MAGNITUDE_WORDS + r")s?"
     r"(?:\s+(?!" + _MAGNITUDE_WORDS + r")[a-zA-Z]+)*\.?"
@@ -120,6 +125,7 @@ def normalize(answer: str) -> str:
     for token in _DROP:
         s = s.replace(token, " " if token in _SPACES else "")
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = _TEXT_UNIT.sub("", s)
     s = re.sub(r"(\\(?:text|mathrm|mbox)\s*\{\s*[a-zA-Z]{2,}\s*\})\^\{?[23]\}?", r"\1", s)  # \text{cm}^2: a unit
     s = _TEXT_CMDS.sub(r"\1", s)
     s = re.sub(r"(?<=\d)\{,\}(?=\d{3}(?!\d))", ",", s)  # 10{,}000: LaTeX's thousands separator (3{,}14 stays)
@@ -492,9 +498,11 @@ def _sympy_equal(a: str, b: str) -> bool | None:
 
 def _equiv(pred: str, truth: str, depth: int = 0) -> bool:
     a, b = normalize(pred), normalize(truth)
+    if not a or not b:  # an empty answer is never right, not even against an empty ground truth
+        return False
     if a == b:
         return True
-    if not a or not b or depth > 2 or max(len(a), len(b)) > _MAX_NORMALIZE_CHARS:
+    if depth > 2 or max(len(a), len(b)) > _MAX_NORMALIZE_CHARS:
         return False
     na, nb = _number(a), _number(b)
     if na is not None and nb is not None:
