@@ -472,7 +472,7 @@ def test_the_reference_refuses_the_options_the_kernels_refuse():
         (dict(kl_coef=float("nan"), ref_log_probs=ref), "kl_coef must be a finite number"),
         (dict(eps_high=float("nan")), "eps_high must be a finite number >= 0"),
         (dict(eps_low=-1.0), r"eps_low must be in \[0, 1\)"),
-        (dict(dual_clip=0.5), "dual_clip must be None or a finite number > 1"),
+        (dict(dual_clip=0.5), r"dual_clip must be None, inf \(no dual clip\) or a finite number > 1"),
         (dict(alpha="0.3"), "alpha must be a number"),
         (dict(eps_low="0.2"), "eps_low must be a number"),
         (dict(kl_estimator="k4"), "kl_estimator must be one of"),

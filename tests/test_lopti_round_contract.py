@@ -175,6 +175,40 @@ def test_every_front_end_refuses_eta_and_a_quantile_together_in_one_line_naming_
     # verl's key (actor_rollout_ref.actor.policy_loss.lopti_eta / .lopti_quantile): tests/verl/test_config.py
 
 
+def test_every_front_end_refuses_an_order_without_lopti_in_one_line_naming_it(tmp_path, capsys):
+    """The paper's ablation asked for (`high_first`) with no threshold ran plain GRPO without a word, in every front
+    end; the local trainer's --eta without --lopti likewise (its eta alone is not a switch, as everywhere else)."""
+    from openrlhf_lopti.algo import lopti_settings
+    from openrlhf_lopti.errors import UserError
+    from openrlhf_lopti.local.cli import build_parser, config_from_args
+    from openrlhf_lopti.local.config import TrainConfig
+
+    said = "=high_first orders Lopti's phases, but Lopti is off, so it would order nothing"
+    with pytest.raises(ValueError, match=f"^order{said}"):
+        lopti_settings(False, None, "high_first", None)
+    assert lopti_settings(False, None, "low_first", None) is None
+    for argv, message in ((["--lopti-order", "high_first"], f"--lopti-order{said}"),
+                          (["--eta", "0.3"], "--eta=0.3 is Lopti's threshold, but Lopti is off: add --lopti")):  # fmt: skip
+        with pytest.raises(UserError, match=f"^{message}"):
+            config_from_args(build_parser().parse_args(["--model", "m", "--out", "o", *argv]))
+    assert TrainConfig(model="m", out="o", lopti=True, lopti_order="high_first").lopti_settings.order == "high_first"
+    pytest.importorskip("openrlhf")
+    from openrlhf_lopti.cli.train_ppo_ray import parse_args
+
+    base = ["--actor.model_name_or_path", "m", "--reward.remote_url", "reward.py"]
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--algo.lopti.order", "high_first"])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: --algo.lopti.order{said}: turn Lopti "
+                                                                     "on, or leave the order low_first")  # fmt: skip
+    pytest.importorskip("trl")
+    from openrlhf_lopti.trl import LoptiGRPOConfig
+
+    trl = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, lopti_order="high_first")
+    with pytest.raises(ValueError, match=f"^lopti_order{said}"):
+        LoptiGRPOConfig(**trl)
+    # verl's key (actor_rollout_ref.actor.policy_loss.lopti_order): tests/verl/test_config.py
+
+
 @pytest.mark.parametrize("name, local, openrlhf, trl, expected", SETTINGS, ids=[s[0] for s in SETTINGS])
 def test_the_local_trainer_plans_algos_round(name, local, openrlhf, trl, expected):
     from openrlhf_lopti.local.config import TrainConfig

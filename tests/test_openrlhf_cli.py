@@ -113,12 +113,28 @@ def test_flags_are_nested_as_upstream_nests_its_own_and_a_quantile_alone_switche
 def test_fused_loss_lists_every_backend_there_is(capsys):
     from openrlhf_lopti.ops.fused_policy_loss import BACKENDS
 
-    assert fused_backend(cli.parse_args(BASE + ["--actor.fused_loss", "cpp"])) == "cpp"
+    assert fused_backend(cli.parse_args(BASE + ["--cpu", "--actor.fused_loss", "cpp"])) == "cpp"
     with pytest.raises(SystemExit):
         cli.parse_args(BASE + ["--actor.fused_loss", "cuda"])
     err = capsys.readouterr().err
     for choice in (*BACKENDS, "off"):
         assert f"'{choice}'" in err, err
+
+
+def test_a_backend_named_for_the_wrong_device_fails_at_parse_time(monkeypatch, capsys):
+    """`--cpu --actor.fused_loss triton` and `--actor.fused_loss cpp` on a GPU run parsed, then failed at the first
+    loss call inside a Ray actor, after the first rollout (the local trainer refused them up front)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for flags, says in (
+        (["--cpu", "--actor.fused_loss", "triton"], "--actor.fused_loss triton needs a CUDA device, or "
+                                                    "TRITON_INTERPRET=1 in the environment to run on cpu"),
+        (["--actor.fused_loss", "cpp"], "--actor.fused_loss cpp runs on CPU only, not cuda; use --actor.fused_loss auto"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            cli.parse_args(BASE + flags)
+        assert exit_info.value.code == 2 and says in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs the kernel on CPU (the tests' way)
+    assert fused_backend(cli.parse_args(BASE + ["--cpu", "--actor.fused_loss", "triton"])) == "triton"
 
 
 def test_async_with_an_upstream_best_metric_and_track_direction_alone_parse():

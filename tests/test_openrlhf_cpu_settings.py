@@ -13,6 +13,9 @@ BASE = ["--cpu", "--actor.model_name_or_path", "m", "--reward.remote_url", "rewa
     "flags, error",
     [
         (["--ds.packing_samples"], "--ds.packing_samples needs flash-attn's variable-length attention"),
+        # upstream turns packing on for dynamic batching: the message names the flag given (it named packing)
+        (["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "24"],
+         "--train.dynamic_batch_enable (it packs samples) needs flash-attn's variable-length attention"),
         (["--vllm.tensor_parallel_size", "2"], "--vllm.tensor_parallel_size 2: --cpu runs one vLLM CPU worker per engine"),
         (["--data.max_images_per_prompt", "1", "--algo.advantage.estimator", "reinforce"], "--data.max_images_per_prompt: the CPU install leaves out torchvision"),
         (["--vllm.num_engines", "0"], "--vllm.num_engines must be >= 1"),
@@ -67,6 +70,19 @@ def test_errors_stop_the_launch_before_ray_starts(monkeypatch):
     monkeypatch.setattr(runtime, "init_ray", lambda args: pytest.fail("Ray must not start"))
     with pytest.raises(SystemExit, match="--cpu: --ds.packing_samples needs flash-attn"):
         runtime.launch_on_cpu(parse_args(BASE + ["--ds.packing_samples"]))
+
+
+def test_a_model_path_without_a_config_is_one_line_before_ray(monkeypatch, tmp_path):
+    """A mistyped --actor.model_name_or_path was transformers' 48-line traceback from the --cpu pre-checks."""
+    import openrlhf_lopti.openrlhf.cpu.runtime as runtime
+
+    monkeypatch.setattr(runtime, "init_ray", lambda args: pytest.fail("Ray must not start"))
+    for model in (str(tmp_path / "no-such-model"), str(tmp_path)):
+        with pytest.raises(SystemExit) as exit_info:
+            runtime.launch_on_cpu(parse_args(BASE + ["--actor.model_name_or_path", model]))
+        message = str(exit_info.value)
+        assert message.startswith(f"--cpu: --actor.model_name_or_path {model}: cannot read its config.json (")
+        assert "\n" not in message
 
 
 def test_a_head_size_vllms_cpu_attention_refuses_stops_the_launch_before_ray(monkeypatch, tmp_path):

@@ -727,6 +727,21 @@ def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, aggregat
     assert fused.status["ppo_clip_ratio"] == reference.status["ppo_clip_ratio"]  # a count of clipped tokens
 
 
+def test_an_infinite_dual_clip_trains_as_upstream_reads_it_no_dual_clip(env):
+    """Upstream's PolicyLoss takes `--actor.dual_clip inf` (its check is `> 1`) and clips nothing more; our default
+    `--actor.fused_loss auto` raised "dual_clip must be ... finite" at the first step, after the whole rollout. Now
+    both read it as no dual clip: each run's update is its run without the flag, bit for bit."""
+    runs = {}
+    for cls, backend in ((Upstream, "off"), (Lopti, "auto")):
+        for dual_clip in ((), ("--actor.dual_clip", "inf")):
+            args = make_args("--actor.fused_loss", backend, "--algo.ar.alpha", "0", *dual_clip)
+            runs[cls, bool(dual_clip)] = train_round(env, cls, args)
+    for cls in (Upstream, Lopti):
+        assert params_equal(runs[cls, True], runs[cls, False]), cls.__name__
+        assert runs[cls, True].status == runs[cls, False].status
+    assert runs[Lopti, True].trainer.fused_backend is not None  # the fused loss ran, not upstream's
+
+
 @pytest.mark.parametrize("packing", [False, True])
 def test_fused_entropy_matches_upstream_entropy_loss_and_gradients(packing, env, eager_entropy, float64):
     # Lopti masks the entropy term to each phase; temperature 0.7: the kernel divides, not Actor.forward

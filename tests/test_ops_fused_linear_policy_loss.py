@@ -497,7 +497,7 @@ BAD = [
     (dict(kl_coef=0.1), "ref_log_probs is required when kl_coef != 0"),
     (dict(temperature=0.0), "temperature must be a finite number > 0"),
     (dict(alpha=2.0), "alpha"),
-    (dict(dual_clip=0.5), "dual_clip must be None or a finite number > 1, got 0.5"),
+    (dict(dual_clip=0.5), "dual_clip must be None, inf \\(no dual clip\\) or a finite number > 1, got 0.5"),
 ]  # fmt: skip
 
 

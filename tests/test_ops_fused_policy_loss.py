@@ -109,7 +109,7 @@ BAD_INPUTS = {
                 dict(eps_low=None)],
     "eps_high": [dict(eps_high=-0.1), dict(eps_high=float("inf")), dict(eps_high=float("nan")),
                  dict(eps_high="0.28"), dict(eps_high=1e39)],
-    "dual_clip": [dict(dual_clip=1.0), dict(dual_clip=0.5), dict(dual_clip=float("inf")), dict(dual_clip="3"),
+    "dual_clip": [dict(dual_clip=1.0), dict(dual_clip=0.5), dict(dual_clip=-float("inf")), dict(dual_clip="3"),
                   dict(dual_clip=1e39)],
     "kl_coef": [dict(kl_coef=float("nan")), dict(kl_coef=float("inf")), dict(kl_coef="1e-3"), dict(kl_coef=None),
                 dict(kl_coef=1e39), dict(kl_coef=torch.ones(2))],
@@ -469,3 +469,25 @@ def test_a_second_derivative_is_refused_never_silently_wrong(backend, one_pass):
         torch.autograd.grad(objective(backend), logits, create_graph=True)
     (first,) = torch.autograd.grad(objective(backend), logits)  # first order, as before
     torch.testing.assert_close(first, grad.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_an_infinite_dual_clip_is_no_dual_clip_on_every_backend(backend):
+    """OpenRLHF's and verl's own losses take ``dual_clip = inf`` (their check is only ``> 1``) and then clip nothing
+    more: with AR and Lopti off, `--actor.dual_clip inf` trained on upstream and raised in our fused loss (a ValueError
+    at the first step, after a whole rollout). It is now None, exactly, on every backend and in the reference."""
+    args = _good(advantages=-torch.rand(N, generator=torch.Generator().manual_seed(3)) * 2)  # negative: dual clip's side
+    args["old_log_probs"] = args["old_log_probs"] - 3.0  # ratio ~e^3 > any finite dual clip's floor: it would bind
+    results = []
+    for dual_clip in (None, math.inf, 1.5):
+        logits = args["logits"].clone().requires_grad_(True)
+        out = _call({**args, "logits": logits, "dual_clip": dual_clip}, backend)
+        out.loss.sum().backward()
+        results.append((out.loss.detach(), logits.grad))
+    (loss_none, grad_none), (loss_inf, grad_inf), (loss_finite, _) = results
+    assert torch.equal(loss_inf, loss_none) and torch.equal(grad_inf, grad_none)
+    assert not torch.allclose(loss_finite, loss_none)  # the case is one where a dual clip binds
+    reference = policy_loss_from_logits(args["logits"], args["labels"], args["old_log_probs"], args["advantages"],
+                                        args["mask"], ref_log_probs=args["ref_log_probs"], kl_coef=0.01,
+                                        dual_clip=math.inf)  # fmt: skip
+    torch.testing.assert_close(reference.loss, loss_none, rtol=1e-5, atol=1e-6)

@@ -68,14 +68,15 @@ def lopti_settings(
     eta: Optional[float] = None,
     order: str = "low_first",
     quantile: Optional[float] = None,
-    keys: tuple = ("eta", "quantile"),
+    keys: tuple = ("eta", "quantile", "order"),
 ) -> Optional[LoptiSettings]:
     """:class:`LoptiSettings` when :func:`lopti_on`, else None. ``eta`` None or 0 ("unset", as a front end's off
     value) means the paper's 0.5; with a quantile it is only the threshold of a round without response tokens.
 
     Raises:
-        ValueError: ``eta`` and ``quantile`` both given (one line naming ``keys``, the front end's names of the
-            two), or a value outside its range.
+        ValueError: ``eta`` and ``quantile`` both given, or ``order`` ``"high_first"`` with Lopti off (the paper's
+            ablation asked for, plain GRPO run), in one line naming ``keys`` (the front end's names of the three);
+            or a value outside its range.
     """
     if eta and quantile is not None:  # eta None / 0 is "not given"
         raise ValueError(
@@ -83,6 +84,9 @@ def lopti_settings(
             f"({keys[1]} alone turns Lopti on)"
         )
     if not lopti_on(on, quantile):
+        if order != "low_first":  # every front end's default is low_first: this order was asked for
+            raise ValueError(f"{keys[2]}={order} orders Lopti's phases, but Lopti is off, so it would order nothing: "
+                             "turn Lopti on, or leave the order low_first")  # fmt: skip
         return None
     return LoptiSettings(eta=eta or 0.5, order=order, quantile=quantile)
 

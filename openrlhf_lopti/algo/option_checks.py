@@ -74,13 +74,19 @@ def check_options(
         raise ValueError(f"eps_high must be a finite number >= 0, got {eps_high!r}")
     if dual_clip is not None:
         clip = number_option("dual_clip", dual_clip)
-        if not (clip > 1.0 and in_float32(clip)):
-            raise ValueError(f"dual_clip must be None or a finite number > 1, got {dual_clip!r}")
+        if not (clip > 1.0 and (in_float32(clip) or clip == math.inf)):
+            raise ValueError(f"dual_clip must be None, inf (no dual clip) or a finite number > 1, got {dual_clip!r}")
     if not in_float32(kl_coef):
         raise ValueError(f"kl_coef must be a finite number, got {kl_coef!r}")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     check_temperature(temperature)
+
+
+def dual_clip_bound(dual_clip: Optional[float]) -> Optional[float]:
+    """The dual clip the loss applies: None for None or +inf (no bound: OpenRLHF's and verl's own losses take an
+    infinite one, whose floor ``inf * A'`` never binds), else the (checked) number as a float."""
+    return None if dual_clip is None or float(dual_clip) == math.inf else float(dual_clip)
 
 
 def check_temperature(temperature: float) -> float:

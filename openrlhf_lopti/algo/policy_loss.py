@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 import torch
 
 from .advantage import ar_weight
-from .option_checks import KL_ESTIMATORS, check_options, check_temperature
+from .option_checks import KL_ESTIMATORS, check_options, check_temperature, dual_clip_bound
 
 LOG_RATIO_CLAMP = 20.0  # OpenRLHF clamps log(pi/pi_old) before exp
 KL_CLAMP = 10.0  # OpenRLHF clamps the KL estimate to [-10, 10]
@@ -122,6 +122,7 @@ def policy_loss_from_logp(
             flags such rows (``LossOptions.check``).
     """
     check_options(alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, 1.0)
+    dual_clip = dual_clip_bound(dual_clip)
     keep = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask.bool()
     zero = logp.new_zeros((), dtype=torch.float32)
     # Masked rows are inert: padding may hold inf/NaN, and 0 * inf in a backward would be NaN.

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 from openrlhf_lopti.install import pip_install
 from openrlhf_lopti.openrlhf.flags import add_lopti_flags, check_config
+from openrlhf_lopti.ops.fused_policy_loss import backend_cannot_run
 
 UPSTREAM_MODULE = "openrlhf.cli.train_ppo_ray"
 PROG = "python -m openrlhf_lopti.cli.train_ppo_ray"
@@ -145,6 +146,12 @@ def parse_args(
         check_config(flat_args)
     except ValueError as exc:
         parser.error(str(exc))
+    backend = getattr(flat_args, "actor.fused_loss")
+    # else found at the first loss call, inside a Ray actor, after the first rollout; what is installed is checked only
+    # under --cpu: a GPU run's driver may be a head node without the GPUs its actors get
+    problem = backend_cannot_run(backend, "cpu" if flat_args.cpu else "cuda", installed_here=flat_args.cpu)
+    if problem:
+        parser.error(f"--actor.fused_loss {backend} {problem}; use --actor.fused_loss auto")
     if getattr(flat_args, "ds.param_dtype") == "fp32" and not flat_args.cpu:
         parser.error("--ds.param_dtype fp32 needs --cpu (upstream's vLLM weight sync expects bf16 weights)")
 

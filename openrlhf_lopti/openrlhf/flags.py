@@ -28,7 +28,7 @@ from openrlhf_lopti.ops import clip_range_supported
 
 FUSED_LOSS_CHOICES = ("auto", "triton", "cpp", "torch", "off")
 LOPTI_DENOMINATORS = ("all", "phase")
-LOPTI_KEYS = ("--algo.lopti.eta", "--algo.lopti.quantile")  # the two thresholds, for algo.lopti_settings' refusal
+LOPTI_KEYS = ("--algo.lopti.eta", "--algo.lopti.quantile", "--algo.lopti.order")  # named by algo.lopti_settings' refusals
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,13 @@ makes anyway (``ops/value_status.py``), read when the check policy (``check``) s
 optimizer step, or never. No host sync otherwise.
 """
 
+import os
 from collections import Counter
 from typing import Dict, Optional
 
 import torch
 
-from ..algo.option_checks import check_options
+from ..algo.option_checks import check_options, dual_clip_bound
 from .loss_head_output import LossHeadOutput
 from .loss_options import LossOptions, resolve_options
 from .torch_policy_loss import torch_policy_loss
@@ -119,6 +120,30 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
     return "cpp" if cpp_available() else "torch"
 
 
+def backend_cannot_run(backend: str, device_type: str, installed_here: bool = True) -> Optional[str]:
+    """Why ``backend`` cannot run on a ``device_type`` (``"cpu"`` / ``"cuda"``) device, or None: what a front end
+    checks before it loads anything, so that a backend named for the wrong device is not found at the first loss call
+    (inside a Ray actor, after a rollout). Triton needs CUDA (or ``TRITON_INTERPRET=1``: its interpreter on CPU), cpp
+    runs on CPU only; ``auto`` and ``torch`` run anywhere. With ``installed_here`` (the device is this process's, not
+    a GPU node's a launcher only schedules) the triton package, CUDA and the built C++ kernel are checked too."""
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if backend == "triton":
+        if device_type != "cuda" and not interpreted:
+            return f"needs a CUDA device, or TRITON_INTERPRET=1 in the environment to run on {device_type} (slow: tests)"
+        from .triton import triton_available
+
+        if installed_here and not triton_available():
+            return "needs triton and a CUDA device here (or TRITON_INTERPRET=1), which this machine lacks"
+    elif backend == "cpp":
+        if device_type != "cpu":
+            return f"runs on CPU only, not {device_type}"
+        from .cpp_policy_loss import cpp_available
+
+        if installed_here and not cpp_available():
+            return "needs the C++ kernel, which is not built here (see the warning above)"
+    return None
+
+
 def check_weights(n: int, device: torch.device, loss_weights, entropy_weights, grad_in_logits) -> None:
     """The checks of the one-pass head's arguments for ``N`` rows on ``device`` (one-line ``ValueError``s)."""
     for name, weights in (("loss_weights", loss_weights), ("entropy_weights", entropy_weights)):
@@ -196,7 +221,7 @@ def fused_policy_loss(
         ref_log_probs: ``[N]`` reference-policy log-probs, needed when ``kl_coef != 0``.
         alpha: AR strength in [0, 1]; 0 is plain GRPO.
         eps_low, eps_high: ratio clip range ``[1 - eps_low, 1 + eps_high]``.
-        dual_clip: dual-clip bound (> 1) for negative advantages, or None.
+        dual_clip: dual-clip bound (> 1) for negative advantages, or None (inf: None, as the frameworks read it).
         kl_coef: weight of the KL estimate folded into ``loss``.
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (OpenRLHF's estimators, clamped to [-10, 10]).
         temperature: logits are divided by it (the rollout's sampling temperature).
@@ -273,7 +298,7 @@ def kernel_options(settings: LossOptions, ref_log_probs: Optional[torch.Tensor],
         alpha=float(settings.alpha),
         eps_low=float(settings.eps_low),
         eps_high=float(settings.eps_high),
-        dual_clip=None if settings.dual_clip is None else float(settings.dual_clip),
+        dual_clip=dual_clip_bound(settings.dual_clip),
         kl_coef=float(settings.kl_coef),
         kl_estimator=settings.kl_estimator,
         temperature=float(settings.temperature),

@@ -19,7 +19,7 @@ from . import cpu_colocate
 # TRL loss types whose per-token term is the PPO clipped surrogate ``fused_policy_loss`` computes; they differ
 # only in how the per-token losses are normalised, and those normalisations are kept. The others run TRL's loss.
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-LOPTI_KEYS = ("lopti_eta", "lopti_quantile")  # the two thresholds' names, for algo.lopti_settings' refusal
+LOPTI_KEYS = ("lopti_eta", "lopti_quantile", "lopti_order")  # the names algo.lopti_settings' refusals give
 
 
 @dataclass

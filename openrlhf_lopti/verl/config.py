@@ -88,7 +88,7 @@ class LoptiPolicyLossConfig(PolicyLossConfig):
     @property
     def lopti(self) -> Optional[LoptiSettings]:
         """Lopti's settings (``algo.lopti_settings``), or None when Lopti is off."""
-        keys = (f"{POLICY_LOSS_KEY}.lopti_eta", f"{POLICY_LOSS_KEY}.lopti_quantile")
+        keys = tuple(f"{POLICY_LOSS_KEY}.lopti_{name}" for name in ("eta", "quantile", "order"))
         return lopti_settings(self.lopti_eta is not None, self.lopti_eta, self.lopti_order, self.lopti_quantile, keys)
 
 

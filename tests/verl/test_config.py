@@ -45,6 +45,8 @@ def our_line(exc: BaseException) -> str:
         (dict(eta=1.5), "lopti_eta", "(0, 1], got 1.5"),
         (dict(quantile=1.0), "lopti_quantile", "(0, 1) or None, got 1.0"),
         (dict(eta=0.5, quantile=0.3), "lopti_eta", f"{KEY}.lopti_quantile=0.3 are two Lopti thresholds: give one"),
+        # the ablation's order with no threshold ran plain GRPO without a word (the rule is algo.lopti_settings')
+        (dict(order="high_first"), "lopti_order", "=high_first orders Lopti's phases, but Lopti is off"),
         (dict(alpha=0.3, loss_mode="vanilla"), "ar_alpha", "set loss_mode=ar"),
         (dict(alpha=True), "ar_alpha", "got True"),  # not 1.0
         (dict(eta=True), "lopti_eta", "got True"),

@@ -48,9 +48,11 @@ def cpu_settings(args: Any) -> Tuple[List[str], List[str]]:
     """
     errors, notes = [], []
     if args.ds.packing_samples:
+        # upstream's post-processing turns packing on for dynamic batching: name the flag the user gave
+        given = "--train.dynamic_batch_enable (it packs samples)" if args.train.dynamic_batch_enable else None
         errors.append(
-            "--ds.packing_samples needs flash-attn's variable-length attention; on CPU, sdpa would let packed "
-            "samples attend to each other (other log-probs): drop it for --cpu"
+            f"{given or '--ds.packing_samples'} needs flash-attn's variable-length attention; on CPU, sdpa would let "
+            f"packed samples attend to each other (other log-probs): drop it for --cpu"
         )
     if args.ds.ring_attn_size > 1:
         errors.append("--ds.ring_attn_size > 1 needs flash-attn's ring attention (CUDA): use 1 with --cpu")
@@ -110,6 +112,18 @@ def moe_experts(config: Any) -> Optional[Tuple[str, int]]:
     return None
 
 
+def _policy_config(model: str) -> Any:
+    """The policy's transformers config (``config.json`` only), or one error line when it cannot be read (a path that
+    does not exist, a folder without a config: transformers' 48-line traceback otherwise; nothing reaches a hub)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=True)
+    except (OSError, ValueError) as exc:
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        return f"--actor.model_name_or_path {model}: cannot read its config.json ({first})"
+
+
 def check_model_is_dense(args: Any) -> List[str]:
     """One error line if the policy is a mixture-of-experts model: ``--cpu`` cannot keep its vLLM engines in sync.
 
@@ -117,10 +131,11 @@ def check_model_is_dense(args: Any) -> List[str]:
     ``w13_weight`` / ``w2_weight``, the router's ``GateLinear`` drops its weight) and upstream's sync sends
     transformers' in-memory names (``mlp.experts.gate_up_proj``, 3-D), which vLLM's MoE loaders do not know: the
     first sync would fail, or land in the wrong layout. Reads only ``config.json`` (no vLLM, no Ray)."""
-    from transformers import AutoConfig
-
     model = args.actor.model_name_or_path
-    experts = moe_experts(AutoConfig.from_pretrained(model, trust_remote_code=True))
+    config = _policy_config(model)
+    if isinstance(config, str):
+        return [config]
+    experts = moe_experts(config)
     if experts is None:
         return []
     return [
@@ -132,11 +147,12 @@ def check_model_is_dense(args: Any) -> List[str]:
 
 def check_model_head_size(args: Any) -> List[str]:
     """One error line if vLLM's CPU attention refuses the model's head size (it would fail inside an engine)."""
-    from transformers import AutoConfig
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     model = args.actor.model_name_or_path
-    config = AutoConfig.from_pretrained(model, trust_remote_code=True)
+    config = _policy_config(model)
+    if isinstance(config, str):
+        return [config]
     config = getattr(config, "text_config", None) or config
     head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     supported = CPUAttentionBackend.get_supported_head_sizes()
