@@ -59,6 +59,7 @@ def test_launch_without_the_gpu_stack_says_so():
         (["--algo.lopti.eta", "x"], "argument --algo.lopti.eta: not a number: 'x'"),
         (["--algo.lopti.eta", "0.5", "--algo.lopti.quantile", "1"], "argument --algo.lopti.quantile: quantile"),
         (["--algo.lopti.eta", "0.5", "--algo.lopti.quantile", "0.3"], "--algo.lopti.eta=0.5 and --algo.lopti.quantile=0.3"),
+        (["--actor.eps_clip", "nan"], "error: --actor.eps_clip must be a number, got nan"),  # named the other flag
         (["--algo.lopti.order", "middle"], "argument --algo.lopti.order: invalid choice"),
         (["--algo.lopti.denominator", "some"], "argument --algo.lopti.denominator: invalid choice"),
         (["--actor.fused_loss", "cuda"], "argument --actor.fused_loss: invalid choice"),

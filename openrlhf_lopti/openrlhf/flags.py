@@ -222,6 +222,8 @@ def check_config(args: Any) -> None:
     check_alpha(cfg.ar_alpha)
     low, high = _clip_range(args)
     if math.isnan(low) or math.isnan(high):  # upstream's clamp would make every ratio NaN
+        if _arg(args, "actor.eps_clip_low_high", None) is None:  # the range came from --actor.eps_clip
+            raise ValueError(f"--actor.eps_clip must be a number, got {low:g}")
         raise ValueError(f"--actor.eps_clip_low_high must be two numbers, got {low:g} {high:g}")
     if not (cfg.lopti_eta == 0 or 0 < cfg.lopti_eta <= 1):  # NaN fails both
         raise ValueError(f"--algo.lopti.eta must be 0 (off) or in (0, 1], got {cfg.lopti_eta}")
