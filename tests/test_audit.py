@@ -357,7 +357,7 @@ def test_audit_command_from_an_sgd_and_a_per_phase_checkpoint(tmp_path, setup, c
     assert list(result["correct_direction_by_quartile"]) == ["lopti", "ar+lopti"]
 
 
-@pytest.mark.parametrize("people", ["3,x", "x", ",", "9", "1,3", "2.5"])
+@pytest.mark.parametrize("people", ["3,x", "x", ",", "9", "1,3", "2.5", "3,,4"])
 def test_audit_people_must_be_kk_sizes_in_one_line_before_any_model(tmp_path, capsys, monkeypatch, people):
     """--people 3,x was `ValueError: invalid literal for int()` (a traceback) after the model loaded; now the same
     one line as `study`'s, before a model is looked at or --out is made."""
@@ -375,3 +375,68 @@ def test_audit_people_must_be_kk_sizes_in_one_line_before_any_model(tmp_path, ca
     assert lines == [f"openrlhf-lopti audit: error: --people {PEOPLE_FORM}, got {people!r}"]
     assert not out.exists()
     assert audit_cli.parse_people(" 3, 4") == [3, 4]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--threads", "-1"], "--threads must be >= 0, got -1"),
+     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+     (["--temperature", "1e-40"], "--temperature must be a finite number > 0, got 1e-40"),
+     (["--temperature", "1e39"], "--temperature must be a finite number > 0, got 1e+39")],
+    ids=["threads", "max-new-tokens", "temperature-tiny", "temperature-huge"],
+)  # fmt: skip
+def test_audit_refuses_bad_numbers_in_one_line_before_any_model(tmp_path, capsys, monkeypatch, flags, message):
+    """(Before: --threads -1 was torch's RuntimeError traceback; --max-new-tokens 0 silently became 512 (20 for the demo
+    model); --temperature 1e-40 crashed in sampling, after the model was built.)"""
+    from openrlhf_lopti.audit import cli as audit_cli
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(audit_cli, "run_audit", no_model)
+    out = tmp_path / "audit"
+    assert cli_main(["audit", "--model", str(tmp_path / "model"), "--out", str(out), *flags]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"openrlhf-lopti audit: error: {message}"]
+    assert not out.exists()
+
+
+def fake_run(folder, **settings):
+    """A `train` run folder whose checkpoint.pt holds ``settings`` (no real model: refused before one is loaded)."""
+    from openrlhf_lopti.local.checkpoint import save_checkpoint
+
+    folder.mkdir()
+    net = torch.nn.Linear(2, 2)
+    config = TrainConfig(model=str(folder / "model"), out=str(folder), **settings).to_dict()
+    save_checkpoint(folder, model=net, optimizer=torch.optim.AdamW(net.parameters()), step=1, metrics_offset=0,
+                    config=config)  # fmt: skip
+    return folder
+
+
+@pytest.mark.parametrize(
+    "settings, shown",
+    [(dict(data="rows.jsonl", reward_file="reward.py"), "--data rows.jsonl, --reward-file reward.py"),
+     (dict(reward_file="reward.py"), "--reward-file reward.py"),
+     (dict(lopti_quantile=0.2), "--lopti-quantile 0.2"),
+     (dict(estimator="reinforce++"), "--estimator reinforce++"),
+     (dict(lopti=True, lopti_order="high_first"), "--lopti-order high_first")],
+    ids=["data", "reward-file", "quantile", "estimator", "order"],
+)  # fmt: skip
+def test_audit_checkpoint_refuses_a_run_whose_update_it_cannot_reproduce(tmp_path, capsys, settings, shown):
+    """The audit samples K&K puzzles, scores them by the paper's rule, takes GRPO advantages and splits Lopti by eta,
+    low first. (Before: a --data run, a quantile or a REINFORCE++ run was audited that way all the same, as "the batch
+    it would sample next".)"""
+    run = fake_run(tmp_path / "run", **settings)
+    assert cli_main(["audit", "--checkpoint", str(run), "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--checkpoint {str(run)!r}: the run trained with {shown}, which the audit cannot" in err[0]
+
+
+def test_audit_checkpoint_that_is_damaged_is_one_line(tmp_path, capsys):
+    """(Before: torch's RuntimeError traceback.)"""
+    run = fake_run(tmp_path / "run")
+    (run / "checkpoint.pt").write_bytes((run / "checkpoint.pt").read_bytes()[:500])
+    assert cli_main(["audit", "--checkpoint", str(run), "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"openrlhf-lopti audit: error: --checkpoint: {run / 'checkpoint.pt'} cannot be read as a checkpoint "
+                   "(PytorchStreamReader failed reading zip archive: failed finding central directory): pass the "
+                   "folder of a `train` run that has saved a checkpoint"]  # fmt: skip

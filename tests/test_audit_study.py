@@ -150,7 +150,7 @@ def test_study_end_to_end_with_sgd_and_train_args_then_resume(tmp_path, capsys):
         assert not bad.exists()
 
 
-@pytest.mark.parametrize("people", ["a", "2,x", ","])
+@pytest.mark.parametrize("people", ["a", "2,x", ",", "3,,4"])
 def test_bad_people_is_one_line_naming_the_flag(tmp_path, capsys, people):
     out = tmp_path / "study"
     assert cli_main(["study", "--out", str(out), "--people", people, "--no-progress"]) == 2

@@ -43,12 +43,33 @@ def test_demo_end_to_end(tmp_path, capsys):
     for method in METHODS:
         assert len((out / "runs" / method / "metrics.jsonl").read_text().splitlines()) == 2
 
+    # warmup.json records what built the warm-up; a --resume asking for another one is refused, naming the flag
+    # (before: the methods still to run trained from the warm-up of the other seed, and the summary gave the new one)
+    facts = json.loads((out / "warmup.json").read_text())
+    assert facts["settings"] == {"seed": 0, "warmup_steps": 5, "warmup_target": 0.0, "eval_prompts": 4}
+    summary = (out / "summary.json").read_bytes()
+    for flags, shown in ((["--seed", "1"], "--seed 1 differs from the warm-up in"),
+                         (["--warmup-steps", "50"], "--warmup-steps 50 differs")):  # fmt: skip
+        assert cli_main(["demo", "--out", str(out), "--resume", *TINY, *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and shown in err[0], err
+    assert (out / "summary.json").read_bytes() == summary
+    del facts["settings"]  # a warmup.json written before it recorded them: reused, and said so
+    (out / "warmup.json").write_text(json.dumps(facts))
+    assert cli_main(["demo", "--out", str(out), "--resume", *TINY, "--methods", "grpo"]) == 0
+    assert "does not say which --seed, --warmup-steps, --warmup-target, --eval-prompts built it" in capsys.readouterr().out
+
 
 def test_demo_rejects_bad_arguments(tmp_path, capsys):
     assert cli_main(["demo", "--out", str(tmp_path / "a"), "--steps", "0"]) == 2
     assert "--steps" in capsys.readouterr().err
     assert cli_main(["demo", "--out", str(tmp_path / "b"), "--methods", "grpo,ppo"]) == 2
     assert "--methods" in capsys.readouterr().err
+    # (before: the second grpo resumed the first one's run and failed naming an --out the user never gave)
+    assert cli_main(["demo", "--out", str(tmp_path / "d"), *TINY, "--methods", "grpo,ar,grpo"]) == 2
+    assert capsys.readouterr().err == ("openrlhf-lopti demo: error: --methods names grpo twice: give each method once, "
+                                       "got 'grpo,ar,grpo'\n")  # fmt: skip
+    assert not (tmp_path / "d").exists()
     assert cli_main(["demo", "--out", str(tmp_path / "c"), "--threads", "-1"]) == 2
     assert "--threads must be >= 0" in capsys.readouterr().err
 

@@ -1,5 +1,6 @@
 """TrainConfig validation, method presets and the GRPO / REINFORCE++ advantage estimators."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,9 @@ def make(**kw):
         # device torch cannot parse (at model.to), a template whose literal braces str.format reads as fields
         ("seed", 10**14), ("seed", True), ("device", "foo"), ("device", "cuda:x"),
         ("input_template", r"Q: {} Put the answer in \boxed{}."), ("input_template", "Q: {question} A: {}"),
+        # finite in float64, not in the loss's float32: a traceback in step 1 (inf/NaN logits), or garbage weights
+        ("temperature", 1e-40), ("temperature", 1e39), ("kl_coef", 1e39), ("eps_high", 1e39), ("lr", 1e39),
+        ("weight_decay", 1e39),
     ],
 )  # fmt: skip
 def test_bad_values_raise_naming_the_field(field, value):
@@ -194,3 +198,19 @@ def test_a_bad_people_list_names_the_expected_form():
                                         r"got '3,x' \(see"):  # fmt: skip
         build_parser().parse_args(["--people", "3,x"])
     assert build_parser().parse_args(["--people", "3, 4,"]).people == [3, 4]
+    # an empty entry inside is a size lost in typing, not a separator to skip (was read as 3,4)
+    with pytest.raises(UserError, match=r"^argument --people: expected comma-separated K&K sizes, e\.g\. 3,4,5, "
+                                        r"got '3,,4' \(see"):  # fmt: skip
+        build_parser().parse_args(["--people", "3,,4"])
+
+
+def test_out_of_range_numbers_are_one_line_naming_the_flag():
+    """(Before: --temperature 1e-40, --kl-coef 1e39 passed the float64 check and crashed in step 1 with a traceback.)"""
+    from openrlhf_lopti.errors import UserError
+    from openrlhf_lopti.local.cli import build_parser, config_from_args
+
+    cases = (("--temperature", "1e-40", "must be a finite number > 0"), ("--kl-coef", "1e39", "must be a finite number"),
+             ("--lr", "1e39", "must be a finite number > 0"), ("--weight-decay", "1e39", "must be a finite number >= 0"))
+    for flag, value, form in cases:
+        with pytest.raises(UserError, match="^" + re.escape(f"{flag} {form}, got {float(value)!r}") + "$"):
+            config_from_args(build_parser().parse_args(["--model", "m", "--out", "o", flag, value]))

@@ -60,7 +60,7 @@ def test_logged_direction_equals_a_recount_of_the_step(model_dir, tmp_path, monk
     monkeypatch.setattr(experience_module, "score", lambda text, record: (float(len(text) % 7), False, True))
     cfg = TrainConfig(model=str(model_dir), out=str(tmp_path / "run"), steps=2, prompts_per_step=4, n_samples=4,
                       max_new_tokens=16, mini_batch_size=8, lr=1e-2, kl_coef=0.0, loss_backend="torch",
-                      progress=False, lopti=lopti, eta=0.9, track_direction=True)  # fmt: skip
+                      progress=False, lopti=lopti, eta=0.9 if lopti else None, track_direction=True)  # fmt: skip
     trainer = LocalTrainer(cfg)
     trainer.train_step()  # step 1: the optimizer now has state, as in the middle of training
     before = copy.deepcopy(trainer.policy)

@@ -3,6 +3,7 @@
 import pytest
 
 from openrlhf_lopti.demo.tiny_model import build_word_tokenizer
+from openrlhf_lopti.errors import UserError
 from openrlhf_lopti.local import task
 from openrlhf_lopti.tasks import kk
 
@@ -51,9 +52,16 @@ def test_prompt_styles():
     tok = build_word_tokenizer()
     assert task.resolve_prompt_style("auto", tok, "compact") == "compact"
     assert task.resolve_prompt_style("auto", tok, None) == "text"  # no chat template
-    assert task.resolve_prompt_style("chat", tok, "compact") == "chat"
     with pytest.raises(ValueError, match="prompt_style"):
         task.resolve_prompt_style("fancy", tok)
+    # chat without a chat template: one line, as --apply-chat-template's (was transformers' ValueError traceback
+    # in the first prompt)
+    with pytest.raises(UserError, match=r"^--prompt-style chat, but the model's tokenizer has no chat template; use "
+                                        r"--prompt-style text"):  # fmt: skip
+        task.resolve_prompt_style("chat", tok, "compact")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    assert task.resolve_prompt_style("chat", tok, "compact") == "chat"
+    assert task.resolve_prompt_style("auto", tok, None) == "chat"
     assert task.prompt_for(record, "compact") == task.compact_prompt(record)
     text = task.prompt_for(record, "text")
     assert record["quiz"] in text and text.endswith("Assistant:")

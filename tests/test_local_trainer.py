@@ -107,8 +107,8 @@ def test_resume_refuses_changed_settings_and_out_dir_rules(model_dir, tmp_path):
         LocalTrainer(config(model_dir, out, steps=2, alpha=0.5), resume=True)
     with pytest.raises(UserError, match="exclude"):
         LocalTrainer(config(model_dir, out), resume=True, overwrite=True)
-    LocalTrainer(config(model_dir, out, steps=1), overwrite=True)  # allowed: removes the run's files only
-    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    LocalTrainer(config(model_dir, out, steps=1), overwrite=True).run()  # allowed: replaces the run's files only
+    assert (out / "notes.txt").read_text() == "mine" and load_checkpoint(out)["config"]["steps"] == 1
 
 
 def test_a_plain_resume_continues_to_the_steps_an_earlier_resume_extended_the_run_to(model_dir, tmp_path):
@@ -186,3 +186,149 @@ def test_any_hf_model_with_a_chat_template_trains(tmp_path):
     assert trainer.prompt_style == "chat"
     rows = trainer.run()
     assert rows[0]["step"] == 1 and rows[0]["reward"] == -3.0
+
+
+def snapshot(folder):
+    """Every file under ``folder`` with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_removes_the_earlier_run_only_once_the_first_step_is_done(model_dir, tmp_path, monkeypatch):
+    """(Before: --overwrite removed the earlier run first, so a typo in --reward-file or --data, or a failure in the
+    first step, lost it, and the command failed anyway.)"""
+    out = tmp_path / "run"
+    LocalTrainer(config(model_dir, out, steps=1)).run()
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(out)
+    bad_reward = tmp_path / "bad_reward.py"
+    bad_reward.write_text("def reward_func(queries, prompts, labels):\n    raise RuntimeError('boom')\n")
+    with pytest.raises(UserError, match="reward_func raised RuntimeError: boom"):
+        LocalTrainer(config(model_dir, out, steps=1, reward_file=str(bad_reward)), overwrite=True)
+    with pytest.raises(UserError, match="--data .*no such file"):
+        LocalTrainer(config(model_dir, out, steps=1, data=str(tmp_path / "typo.jsonl"),
+                            reward_file=str(bad_reward)), overwrite=True)  # fmt: skip
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory in the first step")
+
+    monkeypatch.setattr(trainer_module, "update_policy", fail)
+    with pytest.raises(RuntimeError, match="first step"):
+        LocalTrainer(config(model_dir, out, steps=1, alpha=0.3), overwrite=True).run()
+    assert snapshot(out) == before
+    monkeypatch.undo()
+    LocalTrainer(config(model_dir, out, steps=1, alpha=0.3), overwrite=True).run()
+    assert load_checkpoint(out)["config"]["alpha"] == 0.3 and (out / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_never_removes_an_input_that_has_an_outputs_name(model_dir, tmp_path):
+    """--data, --eval-data (each of a comma-separated list) and --reward-file are inputs, as --model is: one named as
+    an output is refused, not removed. (Before: only --model was checked; --data out/metrics.jsonl was deleted by
+    --overwrite, then reported missing.)"""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"prompt": "a", "label": "b"}\n')
+    (out / "final_model").mkdir()
+    reward = "def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n"
+    (out / "final_model" / "reward.py").write_text(reward)
+    (tmp_path / "reward.py").write_text(reward)
+    rows, reward = tmp_path / "rows.jsonl", str(tmp_path / "reward.py")
+    rows.write_text('{"prompt": "a", "label": "b"}\n')
+    before = snapshot(out)
+    cases = [("--data", dict(data=str(out / "metrics.jsonl"), reward_file=reward)),
+             ("--eval-data", dict(eval_data=f"{rows},{out / 'metrics.jsonl'}", reward_file=reward)),
+             ("--reward-file", dict(data=str(rows), reward_file=str(out / "final_model" / "reward.py")))]  # fmt: skip
+    for flag, kw in cases:
+        with pytest.raises(UserError, match=f"^--out {out} would write over {flag} "):
+            LocalTrainer(config(model_dir, out, steps=1, **kw), overwrite=True)
+    assert snapshot(out) == before
+
+
+def test_a_lopti_run_resumes_with_the_eta_it_ran_with_however_saved(model_dir, tmp_path):
+    """A quantile run saved by an older version (eta 0.5 written in config.json and the checkpoint, the quantile won)
+    resumes; so does a GRPO run of that version (eta 0.5 written, no Lopti); and --eta 0.5 is the eta a Lopti run left
+    unset. (Before: "--resume: --eta (run: 0.5, now: None) differ": config.json's stale eta was dropped, not the
+    checkpoint's; and "(run: None, now: 0.5)".)"""
+    for name, kw in (("quantile", dict(lopti_quantile=0.2)), ("grpo", {})):
+        out = tmp_path / name
+        LocalTrainer(config(model_dir, out, steps=1, **kw)).run()
+        saved = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**saved, "eta": 0.5}))  # as the older version wrote them
+        ckpt = load_checkpoint(out)
+        ckpt["config"]["eta"] = 0.5
+        torch.save(ckpt, out / CHECKPOINT_FILE)
+        cfg = config_from_args(build_parser().parse_args(["--out", str(out), "--resume", "--steps", "2"]))
+        assert cfg.eta is None
+        assert [r["step"] for r in LocalTrainer(cfg, resume=True).run()] == [1, 2]
+        assert load_checkpoint(out)["config"]["eta"] is None
+    out = tmp_path / "lopti"
+    LocalTrainer(config(model_dir, out, steps=1, lopti=True)).run()
+    assert [r["step"] for r in LocalTrainer(config(model_dir, out, steps=2, lopti=True, eta=0.5), resume=True).run()] \
+        == [1, 2]  # fmt: skip
+    with pytest.raises(UserError, match=r"--eta \(run: 0.5, now: 0.3\)"):
+        LocalTrainer(config(model_dir, out, steps=3, lopti=True, eta=0.3), resume=True)
+
+
+def test_a_refused_resume_is_one_line_and_rewrites_nothing(model_dir, tmp_path):
+    """--steps below the checkpoint's step, a missing or cut metrics.jsonl, a damaged checkpoint.pt: one line each,
+    and config.json and metrics.jsonl stay as they were. (Before: --steps 1 on a 2-step run was taken and config.json
+    said steps 1; a missing metrics.jsonl or a damaged checkpoint was a traceback, after config.json was rewritten.)"""
+    out = tmp_path / "run"
+    LocalTrainer(config(model_dir, out, steps=2)).run()
+    before = snapshot(out)
+    with pytest.raises(UserError, match=f"^--resume: the run in {out} has done 2 steps, more than --steps 1: give "
+                                        "--steps 2 or more$"):  # fmt: skip
+        LocalTrainer(config(model_dir, out, steps=1), resume=True)
+    assert snapshot(out) == before
+    metrics = (out / "metrics.jsonl").read_bytes()
+    for cut in (b"", None):
+        if cut is None:
+            (out / "metrics.jsonl").unlink()
+        else:
+            (out / "metrics.jsonl").write_bytes(metrics[:-10])
+        with pytest.raises(UserError, match=r"^--resume: .*metrics.jsonl is missing or shorter than when step 2 was "
+                                            r"checkpointed \(\d+ bytes\): put it back"):  # fmt: skip
+            LocalTrainer(config(model_dir, out, steps=3), resume=True)
+        assert (out / "config.json").read_bytes() == before["config.json"]
+    (out / "metrics.jsonl").write_bytes(metrics)
+    (out / CHECKPOINT_FILE).write_bytes(before[CHECKPOINT_FILE][:1000])  # damaged after it was written
+    with pytest.raises(UserError, match=r"^--resume: .*checkpoint.pt cannot be read as a checkpoint \(PytorchStreamReader "
+                                        r"failed reading zip archive: failed finding central directory\): start the "
+                                        r"run again with --overwrite"):  # fmt: skip
+        LocalTrainer(config(model_dir, out, steps=3), resume=True)
+    assert (out / "config.json").read_bytes() == before["config.json"]
+
+
+def test_a_resume_whose_model_folder_changed_is_one_line(tmp_path):
+    """The checkpoint's weights do not fit the --model folder any more (replaced by another architecture): one line,
+    config.json untouched. (Before: load_state_dict's size-mismatch traceback, after config.json was rewritten.)"""
+    tok = build_word_tokenizer()
+    save_model(build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, seed=0), tok, tmp_path / "m")
+    out = tmp_path / "run"
+    LocalTrainer(config(tmp_path / "m", out, steps=1, max_new_tokens=4)).run()
+    save_model(build_tiny_llama(tok, hidden_size=16, num_layers=1, num_heads=2, seed=0), tok, tmp_path / "m")
+    saved = (out / "config.json").read_bytes()
+    with pytest.raises(UserError, match=f"^--resume: the checkpoint in {out} does not fit --model {tmp_path / 'm'} "
+                                        r"\(changed since the run started\?\): Error\(s\) in loading state_dict"):
+        LocalTrainer(config(tmp_path / "m", out, steps=2, max_new_tokens=4), resume=True)
+    assert (out / "config.json").read_bytes() == saved
+
+
+def test_eval_n_samples_samples_the_kk_held_out_set_too(model_dir, tmp_path, monkeypatch):
+    """--eval-n-samples k without --eval-data: k responses per held-out puzzle, sampled at --temperature, scored by the
+    paper's rule (accuracy avg@k). (Before: ignored, always one greedy response.)"""
+    from openrlhf_lopti.local import evaluation
+
+    calls = []
+
+    def spy(model, tokenizer, prompts, n_samples, max_new_tokens, temperature=1.0, greedy=False):
+        calls.append((len(prompts), n_samples, temperature, greedy))
+        return generate(model, tokenizer, prompts, n_samples, max_new_tokens, temperature, greedy)
+
+    generate = evaluation.generate_rollouts
+    monkeypatch.setattr(evaluation, "generate_rollouts", spy)
+    for k, expected in ((4, (3, 4, 0.9, False)), (1, (3, 1, 0.9, True))):
+        calls.clear()
+        trainer = LocalTrainer(config(model_dir, tmp_path / f"k{k}", steps=1, eval_prompts=3, eval_n_samples=k,
+                                      temperature=0.9))  # fmt: skip
+        metrics = trainer.evaluate()
+        assert calls == [expected] and 0 <= metrics["accuracy"] <= 1 and -3 <= metrics["reward"] <= 3

@@ -226,7 +226,7 @@ def test_lopti_lr_scale_scales_lopti_steps_only(peaked):
     exp = fixed_experience(model, tok, temperature=1.0)
 
     def updated(**settings):
-        cfg, policy = cfg_for(eta=0.5, grad_clip=0.0, **settings), copy.deepcopy(model)
+        cfg, policy = cfg_for(grad_clip=0.0, **settings), copy.deepcopy(model)  # eta unset: the paper's 0.5
         optimizers = build_optimizers(list(policy.parameters()), cfg)
         update_policy(policy, optimizers, exp, cfg, torch.Generator().manual_seed(0))
         return [optimizers[0].param_groups[0]["lr"], *policy.parameters()]

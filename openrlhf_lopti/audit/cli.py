@@ -29,13 +29,15 @@ from typing import Optional
 
 import torch
 
+from openrlhf_lopti.algo.option_checks import check_temperature
 from openrlhf_lopti.demo.warmup import build_warm_model
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
-from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig
+from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig, saved_settings
 from openrlhf_lopti.local.experience import make_experience
 from openrlhf_lopti.local.model import load_model, quiet_transformers
 from openrlhf_lopti.local.task import prompt_for, resolve_prompt_style, train_puzzles
 from openrlhf_lopti.local.checkpoint import CHECKPOINT_FILE, optimizer_states as checkpoint_optimizer_states
+from openrlhf_lopti.local.checkpoint import read_checkpoint
 from openrlhf_lopti.local.trainer import FINAL_MODEL_DIR, check_run_dir, resolve_device
 
 from .measure import (
@@ -95,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Settings of the audited batch and update when neither a flag nor a checkpointed run gives them.
 DEFAULTS = {"prompts": 32, "n_samples": 8, "temperature": 0.7, "people": [2], "lr": 5e-4, "eta": 0.5}
+# A run's settings that --checkpoint takes only at these values: the audit's batch is K&K puzzles scored by the
+# paper's rule with GRPO advantages, and its Lopti methods split by eta, low phase first.
+AUDITED = {"data": None, "reward_file": None, "estimator": "grpo", "lopti_quantile": None, "lopti_order": "low_first"}
 
 
 def load_checkpointed_run(run_dir: str | os.PathLike, device: torch.device) -> tuple:
@@ -108,8 +113,17 @@ def load_checkpointed_run(run_dir: str | os.PathLike, device: torch.device) -> t
     if not path.is_file():
         raise UserError(f"--checkpoint {str(run_dir)!r}: no {CHECKPOINT_FILE} in it (not a `train` run directory, "
                          "or a run that has not saved a checkpoint yet)")  # fmt: skip
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    run_cfg = TrainConfig.from_dict(ckpt["config"])
+    ckpt = read_checkpoint(path, "--checkpoint", "pass the folder of a `train` run that has saved a checkpoint")
+    try:  # read as `train --resume` reads it (an older version's stale eta dropped)
+        run_cfg = TrainConfig.from_dict(saved_settings(ckpt["config"]))
+    except ValueError as e:  # a run of another version, whose settings this one does not take
+        raise UserError(f"--checkpoint {str(run_dir)!r}: its settings are not this version's ({e})") from None
+    differs = [f"--{k.replace('_', '-')} {getattr(run_cfg, k)}" for k, v in AUDITED.items() if getattr(run_cfg, k) != v]
+    if differs:  # audited as if it had trained as the audit does, the numbers would describe another update
+        raise UserError(f"--checkpoint {str(run_dir)!r}: the run trained with {', '.join(differs)}, which the audit "
+                        "cannot reproduce (it samples K&K puzzles scored by the paper's rule, with GRPO advantages and "
+                        "Lopti by eta, low first): audit its final_model/ with --model instead (the audit's own batch "
+                        "and optimizer)")  # fmt: skip
     # The architecture and tokenizer come from the run's starting model, or from its final model if that moved.
     base = Path(run_cfg.model) if Path(run_cfg.model).is_dir() else run_dir / FINAL_MODEL_DIR
     if not base.is_dir():
@@ -154,13 +168,14 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
         args.people = parse_people(args.people)
     args.optimizer = args.optimizer or ("checkpoint" if args.checkpoint else "fresh-adamw")
     style = resolve_prompt_style(args.prompt_style, tokenizer, style)
-    max_new = args.max_new_tokens or (20 if style == "compact" else 512)
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else (20 if style == "compact" else 512)
     people = args.people
     cfg = TrainConfig(
         model=str(model_path), out=str(out), prompts_per_step=args.prompts, n_samples=args.n_samples,
         max_new_tokens=max_new, temperature=args.temperature, people=people, prompt_style=style, lr=args.lr,
         weight_decay=weight_decay, eta=args.eta, kl_coef=0.0, seed=args.seed, device=str(device),
         loss_backend=args.loss_backend, mini_batch_size=args.prompts * args.n_samples, progress=False, **run_optimizer,
+        lopti=True,  # only to carry eta (refused without Lopti): correct_direction sets each method's alpha and lopti
     )  # fmt: skip
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.optimizer == "checkpoint" and cfg.lopti_moments == "per-phase":
@@ -218,9 +233,14 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_transformers()
-    for name, least in (("prompts", 1), ("n_samples", 2)):
+    for name, least in (("prompts", 1), ("n_samples", 2), ("max_new_tokens", 1), ("threads", 0)):
         if getattr(args, name) is not None and getattr(args, name) < least:
             raise UserError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
+    if args.temperature is not None:  # before a model is built: the loss's own check (float32 holds 1 / T)
+        try:
+            check_temperature(args.temperature)
+        except ValueError as e:
+            raise UserError(f"--{e}") from None
     if args.checkpoint and args.model:
         raise UserError("give --model or --checkpoint, not both")
     if args.optimizer == "checkpoint" and not args.checkpoint:

@@ -37,6 +37,7 @@ from typing import Optional
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
 from openrlhf_lopti.local.config import METHODS, OPTIMIZERS
+from openrlhf_lopti.local.task import people_sizes
 from openrlhf_lopti.runs import read_metrics, window_mean
 
 from .report import write_json
@@ -152,8 +153,8 @@ def joined_train_args(argv: list) -> list:
 
 def parse_people(text: str) -> list:
     """``--people`` ("3" or "3,4") as a list of K&K sizes; :class:`UserError` with the expected form otherwise."""
-    try:
-        people = [int(x) for x in str(text).split(",") if x.strip()]
+    try:  # 3,,4 refused: a size was lost in typing
+        people = people_sizes(text)
     except ValueError:
         raise UserError(f"--people {PEOPLE_FORM}, got {text!r}") from None
     if not people or any(not 2 <= n <= 8 for n in people):

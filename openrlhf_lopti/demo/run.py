@@ -36,6 +36,9 @@ WARMUP_DIR = "warmup_model"
 DEMO_OUTPUTS = (WARMUP_DIR, "warmup.json", *(f"runs/{m}" for m in METHODS), "demo.png", "summary.json",
                 "summary.md", f".{WARMUP_DIR}.tmp-*", f".{WARMUP_DIR}.old-*")  # fmt: skip
 DEMO_PEOPLE = [2]
+# The flags that make the warm-up model and its baseline accuracy (warmup.json records them): a --resume with other
+# values would train the methods from a warm-up that is not the one asked for.
+WARMUP_SETTINGS = ("seed", "warmup_steps", "warmup_target", "eval_prompts")
 MAX_NEW_TOKENS = 20  # the ideal 2-person response is 15 tokens with its eos
 
 
@@ -75,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--overwrite", action="store_true",
                       help="remove an earlier demo's files from --out first (only those, not others)")  # fmt: skip
     return p
+
+
+def flag(name: str) -> str:
+    """The flag of an argument: ``warmup_steps`` -> ``--warmup-steps``."""
+    return "--" + name.replace("_", "-")
 
 
 def method_config(out: Path, method: str, args: argparse.Namespace) -> TrainConfig:
@@ -146,6 +154,9 @@ def main(argv: Optional[list] = None) -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise UserError(f"--methods must be a comma-separated subset of {','.join(METHODS)}, got {args.methods!r}")
+    twice = sorted({m for m in methods if methods.count(m) > 1})
+    if twice:  # the second would resume the first's finished run, and the table would list it twice
+        raise UserError(f"--methods names {', '.join(twice)} twice: give each method once, got {args.methods!r}")
     for name in ("steps", "warmup_steps", "prompts_per_step", "n_samples"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -176,8 +187,21 @@ def _run_demo(args: argparse.Namespace, methods: list) -> int:
     print(f"demo: writing to {out}")
 
     facts_path = out / "warmup.json"
+    settings = {name: getattr(args, name) for name in WARMUP_SETTINGS}
     if args.resume and (out / WARMUP_DIR).is_dir() and facts_path.exists():
-        facts = json.loads(facts_path.read_text())
+        try:
+            facts = json.loads(facts_path.read_text())
+        except json.JSONDecodeError as e:
+            raise UserError(f"--resume: {facts_path} line {e.lineno} is not valid JSON ({e.msg}): start again with "
+                            "--overwrite") from None  # fmt: skip
+        if "settings" not in facts:  # written before warmup.json recorded them
+            print(f"demo: {facts_path} does not say which {', '.join(flag(n) for n in WARMUP_SETTINGS)} built it: "
+                  "reusing it unchecked")  # fmt: skip
+        for name, value in facts.get("settings", {}).items():
+            if settings.get(name) != value:  # the methods would start from a warm-up other than the one asked for
+                raise UserError(f"--resume: {flag(name)} {settings.get(name)} differs from the warm-up in {out} "
+                                f"({flag(name)} {value}): drop it to continue that demo, or start again with "
+                                "--overwrite or in another --out")  # fmt: skip
         print(f"demo: reusing the warm-up model in {out / WARMUP_DIR}")
     else:
         facts = build_warm_model(
@@ -196,6 +220,7 @@ def _run_demo(args: argparse.Namespace, methods: list) -> int:
             prompts = [prompt_for(r, style, tokenizer) for r in records]
             baseline.update(greedy_eval(model, tokenizer, records, prompts, MAX_NEW_TOKENS))
         facts["baseline"] = baseline
+        facts["settings"] = settings
         facts_path.write_text(json.dumps(facts, indent=2) + "\n")
     print(
         f"demo: warm-up done ({facts['parameters']} parameters, {facts['warmup_steps']} steps, "

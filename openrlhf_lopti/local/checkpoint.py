@@ -7,13 +7,18 @@ back to the last checkpointed step, so no step is logged twice.
 """
 
 import os
+import pickle
 import random
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from openrlhf_lopti.errors import UserError
+
 CHECKPOINT_FILE = "checkpoint.pt"
+# What every checkpoint holds (``optimizer_phase2`` too for a per-phase Lopti run).
+CHECKPOINT_KEYS = ("step", "metrics_offset", "config", "model", "optimizer", "rng")
 
 
 def rng_state() -> dict:
@@ -90,8 +95,21 @@ def load_checkpoint(run_dir: str | os.PathLike) -> Optional[dict]:
     path = run_dir / CHECKPOINT_FILE
     if not path.exists():
         return None
-    # Tensors, tuples and plain dicts only, so the safe loader suffices.
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return read_checkpoint(path, "--resume", "start the run again with --overwrite, or in another --out")
+
+
+def read_checkpoint(path: Path, flag: str, fix: str) -> dict:
+    """The payload of the checkpoint file ``path``, read without touching its folder; a one-line
+    :class:`UserError` naming ``flag`` (and ``fix``, what to do) when it is not one :func:`save_checkpoint` wrote."""
+    try:  # tensors, tuples and plain dicts only, so the safe loader suffices
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:  # damaged, or not a torch file
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
+        raise UserError(f"{flag}: {path} cannot be read as a checkpoint ({reason}): {fix}") from None
+    missing = [k for k in CHECKPOINT_KEYS if k not in ckpt] if isinstance(ckpt, dict) else list(CHECKPOINT_KEYS)
+    if missing:
+        raise UserError(f"{flag}: {path} is not a `train` checkpoint (it has no {', '.join(missing)}): {fix}")
+    return ckpt
 
 
 def optimizer_states(ckpt: dict) -> list:

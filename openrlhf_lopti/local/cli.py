@@ -16,8 +16,9 @@ from typing import Optional
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
 
-from .config import METHODS, ConfigError, TrainConfig, method_settings
+from .config import METHODS, ConfigError, TrainConfig, method_settings, saved_settings
 from .model import quiet_transformers
+from .task import people_sizes
 
 HELP = {
     "model": "local Hugging Face checkpoint directory (required unless resuming)",
@@ -72,7 +73,7 @@ HELP = {
     "fused_lm_head": "run the lm_head with the loss chunk by chunk from the last hidden states (training step and "
     "log-prob passes): the model's [tokens, vocab] logits are never made; costs one extra lm_head matmul in backward",
     "save_every": "steps between checkpoints (1: a crash loses at most one step)",
-    "eval_every": "steps between greedy held-out evaluations (0: only at the end)",
+    "eval_every": "steps between held-out evaluations (0: only at the end)",
     "eval_prompts": "held-out K&K puzzles per evaluation (0: none); with --eval-data its first N rows (0: all)",
     "progress": "tqdm progress bar",
     "track_direction": "after each update, log per probability bin the share of positive-advantage tokens whose "
@@ -108,14 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     mode.add_argument("--overwrite", action="store_true",
-                      help="remove an earlier run's files from --out first (only those; other files stay)")  # fmt: skip
+                      help="replace an earlier run's files in --out (only those; other files stay), once the new "
+                      "run's first step is done: a run that fails before that leaves them as they were")  # fmt: skip
     return p
 
 
 def people_list(text: str) -> list:
-    """``--people 3,4,5`` -> ``[3, 4, 5]``."""
+    """``--people 3,4,5`` -> ``[3, 4, 5]`` (:func:`.task.people_sizes`: ``3,,4`` is refused, not read as 3,4)."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return people_sizes(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated K&K sizes, e.g. 3,4,5, got {text!r}") from None
 
@@ -139,10 +141,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(TrainConfig)})
         if unknown:
             raise UserError(f"--resume: {saved} has settings this version does not know: {unknown}")
-        if values.get("eta") is not None and values.get("lopti_quantile") is not None:
-            # saved before eta and a quantile were refused together, when eta was always written (0.5 by default)
-            # and the quantile won: the run's threshold was the quantile
-            values["eta"] = None
+        values = saved_settings(values)  # an older version's stale eta dropped, as the trainer reads its checkpoint
     if getattr(args, "method", None):
         values.update(method_settings(args.method))
     values.update(given)

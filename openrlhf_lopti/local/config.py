@@ -7,12 +7,20 @@ tokens, 50 AR+Lopti steps on the demo's model lowered its reward (issue 40).
 """
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from openrlhf_lopti.algo import KL_ESTIMATORS, LoptiSettings, check_alpha, check_lopti_args, lopti_on, lopti_settings
+from openrlhf_lopti.algo import (
+    KL_ESTIMATORS,
+    LoptiSettings,
+    check_alpha,
+    check_lopti_args,
+    check_options,
+    lopti_on,
+    lopti_settings,
+)
+from openrlhf_lopti.algo.option_checks import in_float32
 from openrlhf_lopti.errors import UserError
 
 from .advantages import ESTIMATORS
@@ -101,7 +109,7 @@ class TrainConfig:
     loss_backend: str = "auto"
     fused_lm_head: bool = False  # lm_head + loss chunk by chunk from the last hidden states: no [N, V] logits
     save_every: int = 1  # steps between checkpoints (1: a crash loses at most one step)
-    eval_every: int = 0  # steps between greedy held-out evaluations; 0 = only at the end
+    eval_every: int = 0  # steps between held-out evaluations; 0 = only at the end
     eval_prompts: int = 0  # held-out puzzles per evaluation (0 = none); with eval_data: its first N rows (0 = all)
     progress: bool = True  # tqdm bar
     track_direction: bool = False  # log direction/* (paper Fig. 3) after each update: one extra forward pass
@@ -133,10 +141,13 @@ class TrainConfig:
         if self.lopti and self.eta == 0:  # eta 0 is "Lopti off", as OpenRLHF's --algo.lopti.eta 0
             raise ConfigError("eta", "eta 0 means Lopti off (as --algo.lopti.eta 0 in the OpenRLHF CLI), but lopti "
                               "is on (--lopti or a lopti --method): give eta in (0, 1], or turn Lopti off")  # fmt: skip
-        try:  # algo's rule: eta and lopti_quantile are two thresholds, refused together
+        if self.eta and not self.lopti:  # every other front end's eta turns Lopti on: here it would do nothing
+            raise ConfigError("eta", f"eta={self.eta} is Lopti's threshold, but Lopti is off: add --lopti (or a lopti "
+                              "--method), or drop --eta")  # fmt: skip
+        try:  # algo's rules: eta and lopti_quantile are two thresholds, refused together; no order without Lopti
             self.lopti_settings  # noqa: B018
         except ValueError as e:
-            raise ConfigError("eta", str(e)) from None
+            raise ConfigError(str(e).split("=", 1)[0], str(e)) from None
         positive_ints = ("steps", "prompts_per_step", "n_samples", "max_new_tokens", "mini_batch_size", "epochs")
         for name in positive_ints + ("save_every", "eval_n_samples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -151,13 +162,17 @@ class TrainConfig:
             raise ConfigError("people", f"people must list K&K sizes in [2, 8], got {self.people!r}")
         if self.prompt_style not in PROMPT_STYLES:
             raise ConfigError("prompt_style", f"prompt_style must be one of {PROMPT_STYLES}, got {self.prompt_style!r}")
-        for name in ("temperature", "lr"):
+        try:  # the loss's options by algo's one check: float32 must hold them (a float64 1e39 is inf in the loss)
+            check_options(self.alpha, self.eps_low, self.eps_high, None, self.kl_coef, self.kl_estimator,
+                          self.temperature)  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(str(e).split(" ", 1)[0], str(e)) from None
+        # float32 bounds too: the optimizer multiplies float32 weights by them (lr 1e39 made every weight inf)
+        if not (isinstance(self.lr, (int, float)) and in_float32(self.lr) and self.lr > 0):
+            raise ConfigError("lr", f"lr must be a finite number > 0, got {self.lr!r}")
+        for name in ("weight_decay", "grad_clip", "kl_coef"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ConfigError(name, f"{name} must be a finite number > 0, got {value!r}")
-        for name in ("weight_decay", "grad_clip", "kl_coef", "eps_high"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            if not (isinstance(value, (int, float)) and in_float32(value) and value >= 0):
                 raise ConfigError(name, f"{name} must be a finite number >= 0, got {value!r}")
         if not (isinstance(self.lopti_lr_scale, (int, float)) and 0 < self.lopti_lr_scale <= 1):
             message = f"lopti_lr_scale must be a number in (0, 1], got {self.lopti_lr_scale!r}"
@@ -220,7 +235,8 @@ class TrainConfig:
     @property
     def lopti_settings(self) -> Optional[LoptiSettings]:
         """The round's settings (``algo.lopti_settings``), or None without Lopti."""
-        return lopti_settings(self.lopti, self.eta, self.lopti_order, self.lopti_quantile, ("eta", "lopti_quantile"))
+        keys = ("eta", "lopti_quantile", "lopti_order")
+        return lopti_settings(self.lopti, self.eta, self.lopti_order, self.lopti_quantile, keys)
 
     @property
     def method(self) -> str:
@@ -241,6 +257,20 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown config fields: {unknown}")
         return cls(**values)
+
+
+def saved_settings(values: dict) -> dict:
+    """A run's saved settings (its ``config.json``, its checkpoint's ``config``) as this version reads them: an ``eta``
+    that an older version wrote for every run (0.5 by default) but that did nothing is dropped (None)."""
+    values = dict(values)
+    if values.get("eta") is not None and values.get("lopti_quantile") is not None:
+        # saved before eta and a quantile were refused together, when eta was always written (0.5 by default)
+        # and the quantile won: the run's threshold was the quantile
+        values["eta"] = None
+    elif values.get("eta") == 0.5 and not lopti_on(values.get("lopti", False), values.get("lopti_quantile")):
+        # the same old default in a run without Lopti: only the logged low-token share read it, and None is 0.5
+        values["eta"] = None
+    return values
 
 
 def method_settings(method: str) -> dict:

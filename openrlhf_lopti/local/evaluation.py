@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy K&K accuracy with the paper's rule, or any prompts scored by a reward file."""
+"""Held-out evaluation: K&K accuracy with the paper's rule (greedy, or k samples), or any prompts scored by a reward
+file."""
 
 import torch
 
@@ -8,19 +9,31 @@ from .task import score
 
 
 @torch.no_grad()
-def greedy_eval(model, tokenizer, records: list, prompts: list, max_new_tokens: int, batch_size: int = 256) -> dict:
-    """One greedy response per record; returns ``accuracy`` (fraction with every role right),
-    ``format_rate`` and ``reward`` (mean of the paper's reward, in [-3, 3])."""
+def greedy_eval(
+    model,
+    tokenizer,
+    records: list,
+    prompts: list,
+    max_new_tokens: int,
+    batch_size: int = 256,
+    n_samples: int = 1,
+    temperature: float = 1.0,
+) -> dict:
+    """K&K records scored by the paper's rule: one greedy response each (``n_samples == 1``), else ``n_samples``
+    sampled at ``temperature`` (as :func:`reward_eval`). Returns ``accuracy`` (fraction of responses with every
+    role right: avg@k for k samples), ``format_rate`` and ``reward`` (mean of the paper's reward, in [-3, 3])."""
     rewards, correct, formats = [], [], []
-    for start in range(0, len(records), batch_size):
-        chunk = slice(start, start + batch_size)
-        rollout = generate_rollouts(model, tokenizer, prompts[chunk], 1, max_new_tokens, greedy=True)
-        for text, record in zip(rollout.responses, records[chunk]):
+    per_batch = max(1, batch_size // n_samples)
+    for start in range(0, len(records), per_batch):
+        chunk = slice(start, start + per_batch)
+        rollout = generate_rollouts(model, tokenizer, prompts[chunk], n_samples, max_new_tokens, temperature,
+                                    greedy=n_samples == 1)  # fmt: skip
+        for text, record in zip(rollout.responses, [r for r in records[chunk] for _ in range(n_samples)]):
             r, c, f = score(text, record)
             rewards.append(r)
             correct.append(c)
             formats.append(f)
-    n = max(len(records), 1)
+    n = max(len(rewards), 1)
     return {"accuracy": sum(correct) / n, "format_rate": sum(formats) / n, "reward": sum(rewards) / n}
 
 

@@ -14,6 +14,7 @@ written for a given model:
 
 from typing import Sequence
 
+from openrlhf_lopti.errors import UserError
 from openrlhf_lopti.tasks import kk, messages_to_text
 
 PROMPT_STYLES = ("auto", "compact", "chat", "text")
@@ -64,6 +65,16 @@ def puzzles(seed_base: int, start: int, count: int, people: Sequence[int]) -> li
     return [kk.generate(people[i % len(people)], seed_base + i) for i in range(start, start + count)]
 
 
+def people_sizes(text: str) -> list[int]:
+    """``"3,4,5"`` -> ``[3, 4, 5]``; a trailing comma is allowed, an empty entry inside (``3,,4``: a size lost in
+    typing) or a non-integer raises ``ValueError``. The sizes' range is the caller's check."""
+    body = str(text).strip().removesuffix(",")
+    parts = body.split(",") if body else []
+    if any(not p.strip() for p in parts):
+        raise ValueError(f"empty entry in {text!r}")
+    return [int(p) for p in parts]
+
+
 def train_puzzles(run_seed: int, step: int, count: int, people: Sequence[int]) -> list[dict]:
     """The ``count`` prompts of RL step ``step`` (0-based) of a run seeded with ``run_seed``."""
     return puzzles(TRAIN_SEED_BASE + run_seed * SEEDS_PER_RUN, step * count, count, people)
@@ -79,6 +90,9 @@ def resolve_prompt_style(style: str, tokenizer, model_dir_style: str | None = No
     else ``chat`` when the tokenizer has a chat template, else ``text``."""
     if style not in PROMPT_STYLES:
         raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, got {style!r}")
+    if style == "chat" and not getattr(tokenizer, "chat_template", None):  # as --apply-chat-template is refused
+        raise UserError("--prompt-style chat, but the model's tokenizer has no chat template; use --prompt-style "
+                        "text (plain prompts) or auto")  # fmt: skip
     if style != "auto":
         return style
     if model_dir_style:

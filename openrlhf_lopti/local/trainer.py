@@ -19,10 +19,10 @@ import torch
 
 from openrlhf_lopti.algo import approx_kl, direction_counts, direction_metrics, lopti_settings, plan_round
 from openrlhf_lopti.errors import UserError
-from openrlhf_lopti.runs import check_model_dir, prepare_out_dir, read_metrics
+from openrlhf_lopti.runs import check_model_dir, check_out_dir, prepare_out_dir, read_metrics
 
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, optimizer_states, save_checkpoint, set_rng_state
-from .config import TrainConfig
+from .config import TrainConfig, saved_settings
 from .dataset import PromptSet, epochs_done, load_prompt_set, step_indices
 from .experience import make_experience
 from .evaluation import greedy_eval, reward_eval
@@ -102,7 +102,15 @@ class LocalTrainer:
         self.device = resolve_device(cfg.device)
         check_loss_backend(cfg.loss_backend, self.device)
         check_model_dir(cfg.model)  # before the run folder is made
-        self.out = check_run_dir(cfg.out, resume, overwrite, inputs=[("--model", cfg.model)])
+        # Every file the run reads: none may be an output (--overwrite would remove it before it is read).
+        self.inputs = [("--model", cfg.model), ("--reward-file", cfg.reward_file)]
+        for flag, paths in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
+            self.inputs += [(flag, path.strip()) for path in (paths or "").split(",") if path.strip()]
+        # Only checked here: --overwrite removes the earlier run once the first step is done (`_log`), so a run
+        # that fails at start-up or in its first step (a typo, a reward error, out of memory) leaves it as it was.
+        check_out_dir(cfg.out, RUN_OUTPUTS, overwrite=overwrite, resume=resume, can_resume=True, inputs=self.inputs)
+        self.out, self._resume, self._overwrite = Path(cfg.out), resume, overwrite
+        self.out.mkdir(parents=True, exist_ok=True)
         dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
         self.policy, self.tokenizer, model_style = load_model(cfg.model, self.device, dtype)
         self.prompt_style = resolve_prompt_style(cfg.prompt_style, self.tokenizer, model_style)
@@ -159,24 +167,40 @@ class LocalTrainer:
         free = ("steps", "progress", "out", "device", "loss_backend")
         # a field the checkpointed run's version did not have yet ran with its default
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
-        saved = {k: v for k, v in {**defaults, **ckpt["config"]}.items() if k not in free}
+        # the checkpoint's settings read as config.json's are (an older version's stale eta dropped)
+        saved = {k: v for k, v in {**defaults, **saved_settings(ckpt["config"])}.items() if k not in free}
         given = {k: v for k, v in self.cfg.to_dict().items() if k not in free}
+        for settings in (saved, given):  # eta unset is the paper's 0.5: the same setting as --eta 0.5
+            settings["eta"] = 0.5 if settings.get("eta") is None else settings["eta"]
         if saved != given:
             diff = sorted(k for k in saved if saved[k] != given.get(k))
             shown = ", ".join(f"--{k.replace('_', '-')} (run: {saved[k]!r}, now: {given.get(k)!r})" for k in diff)
             raise UserError(f"--resume: {shown} differ from the run in {self.out}: drop those flags to continue "
                             "it, or start a new run in another --out")  # fmt: skip
-        # The run now goes on with these settings (a longer --steps, another --device): config.json says so, or a
-        # later plain --resume would read the old ones and stop at the old --steps as if the run were finished.
-        self._write_config()
-        self.policy.load_state_dict(ckpt["model"])
-        for optimizer, state in zip(self.optimizers, optimizer_states(ckpt), strict=True):
-            optimizer.load_state_dict(state)
+        # Every check before anything is written: a refused resume leaves config.json and metrics.jsonl as they were.
+        if self.cfg.steps < ckpt["step"]:  # config.json would say fewer steps than the checkpoint holds
+            raise UserError(f"--resume: the run in {self.out} has done {ckpt['step']} steps, more than --steps "
+                            f"{self.cfg.steps}: give --steps {ckpt['step']} or more")  # fmt: skip
+        if not self.metrics_path.is_file() or self.metrics_path.stat().st_size < ckpt["metrics_offset"]:
+            raise UserError(f"--resume: {self.metrics_path} is missing or shorter than when step {ckpt['step']} was "
+                            f"checkpointed ({ckpt['metrics_offset']} bytes): put it back, or start the run again with "
+                            "--overwrite")  # fmt: skip
+        try:
+            self.policy.load_state_dict(ckpt["model"])
+            for optimizer, state in zip(self.optimizers, optimizer_states(ckpt), strict=True):
+                optimizer.load_state_dict(state)
+        except (RuntimeError, ValueError, KeyError) as e:  # the --model folder changed since the run started
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"--resume: the checkpoint in {self.out} does not fit --model {self.cfg.model} (changed "
+                            f"since the run started?): {reason}") from None  # fmt: skip
         set_rng_state(ckpt["rng"])
         self.step = ckpt["step"]
         # Drop metrics logged after the checkpoint (the step that was in flight is redone).
         with open(self.metrics_path, "r+b") as f:
             f.truncate(ckpt["metrics_offset"])
+        # The run now goes on with these settings (a longer --steps, another --device): config.json says so, or a
+        # later plain --resume would read the old ones and stop at the old --steps as if the run were finished.
+        self._write_config()
 
     def prompts(self, records: list) -> list:
         return [prompt_for(r, self.prompt_style, self.tokenizer) for r in records]
@@ -248,7 +272,8 @@ class LocalTrainer:
 
     def evaluate(self) -> dict:
         """Held-out metrics: ``eval_data`` (its first ``eval_prompts`` rows; all for 0) or ``eval_prompts``
-        fixed K&K puzzles, scored by the reward file if there is one, else by the paper's rule (greedy)."""
+        fixed K&K puzzles, scored by the reward file if there is one, else by the paper's rule; greedy, or
+        ``eval_n_samples`` responses per prompt sampled at ``temperature``."""
         cfg = self.cfg
         if self.eval_data is not None:
             rows = slice(0, cfg.eval_prompts or None)
@@ -258,7 +283,8 @@ class LocalTrainer:
             records = eval_puzzles(cfg.eval_prompts, cfg.people)
             prompts = self.prompts(records)
             if self.reward is None:
-                return greedy_eval(self.policy, self.tokenizer, records, prompts, cfg.max_new_tokens)
+                return greedy_eval(self.policy, self.tokenizer, records, prompts, cfg.max_new_tokens,
+                                   n_samples=cfg.eval_n_samples, temperature=cfg.temperature)  # fmt: skip
             labels = [r["solution_text_format"] for r in records]
             sources = [f"kk_{len(r['names'])}ppl" for r in records]
         return reward_eval(self.policy, self.tokenizer, prompts, labels, sources, self.reward, cfg.max_new_tokens,
@@ -273,6 +299,7 @@ class LocalTrainer:
     def _log(self, metrics: dict) -> int:
         """Append one line to metrics.jsonl durably; returns the file size after it."""
         if self._fresh:  # the first step of a fresh run is done: the run's files start now
+            check_run_dir(self.out, self._resume, self._overwrite, inputs=self.inputs)  # --overwrite removes now
             self._write_config()
             self.metrics_path.write_text("")
             self._fresh = False

@@ -28,7 +28,8 @@ from openrlhf_lopti.ops import clip_range_supported
 
 FUSED_LOSS_CHOICES = ("auto", "triton", "cpp", "torch", "off")
 LOPTI_DENOMINATORS = ("all", "phase")
-LOPTI_KEYS = ("--algo.lopti.eta", "--algo.lopti.quantile", "--algo.lopti.order")  # named by algo.lopti_settings' refusals
+# the names algo.lopti_settings' refusals give: the two thresholds, the order
+LOPTI_KEYS = ("--algo.lopti.eta", "--algo.lopti.quantile", "--algo.lopti.order")
 
 
 @dataclass(frozen=True)

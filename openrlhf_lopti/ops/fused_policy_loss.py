@@ -129,7 +129,7 @@ def backend_cannot_run(backend: str, device_type: str, installed_here: bool = Tr
     interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if backend == "triton":
         if device_type != "cuda" and not interpreted:
-            return f"needs a CUDA device, or TRITON_INTERPRET=1 in the environment to run on {device_type} (slow: tests)"
+            return f"needs a CUDA device, or TRITON_INTERPRET=1 in the environment to run on {device_type} (slow)"
         from .triton import triton_available
 
         if installed_here and not triton_available():

@@ -447,7 +447,7 @@ def reward(response: str, solution_text_format: str) -> float:
 def _role(value, at: str) -> bool:
     """A stored role as a bool (True = knight): a bool, 0 / 1, or the strings "true" / "false" (any case) that some
     exports write; bool("False") would be True."""
-    if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "bool" or (isinstance(value, int) and value in (0, 1)):
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "bool" or value in (0, 1):
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
