@@ -175,7 +175,6 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
         max_new_tokens=max_new, temperature=args.temperature, people=people, prompt_style=style, lr=args.lr,
         weight_decay=weight_decay, eta=args.eta, kl_coef=0.0, seed=args.seed, device=str(device),
         loss_backend=args.loss_backend, mini_batch_size=args.prompts * args.n_samples, progress=False, **run_optimizer,
-        lopti=True,  # only to carry eta (refused without Lopti): correct_direction sets each method's alpha and lopti
     )  # fmt: skip
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.optimizer == "checkpoint" and cfg.lopti_moments == "per-phase":

@@ -228,8 +228,6 @@ def correct_direction(
     fractions, deltas = {}, {}
     for method in methods:
         settings = {**cfg.to_dict(), **method_settings(method), "mini_batch_size": len(exp.rollout), "epochs": 1}
-        if not settings["lopti"]:  # eta is Lopti's threshold, refused in a config without Lopti
-            settings["eta"] = None
         method_cfg = TrainConfig.from_dict(settings)
         policy = copy.deepcopy(model)
         opt = make_optimizer(policy.parameters(), optimizer, method_cfg, optimizer_states)

@@ -141,9 +141,6 @@ class TrainConfig:
         if self.lopti and self.eta == 0:  # eta 0 is "Lopti off", as OpenRLHF's --algo.lopti.eta 0
             raise ConfigError("eta", "eta 0 means Lopti off (as --algo.lopti.eta 0 in the OpenRLHF CLI), but lopti "
                               "is on (--lopti or a lopti --method): give eta in (0, 1], or turn Lopti off")  # fmt: skip
-        if self.eta and not self.lopti:  # every other front end's eta turns Lopti on: here it would do nothing
-            raise ConfigError("eta", f"eta={self.eta} is Lopti's threshold, but Lopti is off: add --lopti (or a lopti "
-                              "--method), or drop --eta")  # fmt: skip
         try:  # algo's rules: eta and lopti_quantile are two thresholds, refused together; no order without Lopti
             self.lopti_settings  # noqa: B018
         except ValueError as e:
