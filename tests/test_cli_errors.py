@@ -232,8 +232,8 @@ def test_train_that_fails_at_start_up_leaves_its_folder_reusable(tmp_path, capsy
     argv = ["train", "--model", str(model_dir), "--out", str(out), "--steps", "1", "--prompts-per-step", "1",
             "--n-samples", "2", "--max-new-tokens", "2", "--no-progress", "--device", "cpu"]  # fmt: skip
     assert fails(capsys, argv + ["--loss-backend", "triton"]) == (
-        "openrlhf-lopti train: error: --loss-backend triton cannot run on cpu: it needs triton and a CUDA --device, "
-        "or TRITON_INTERPRET=1 in the environment to run on CPU (slow: tests only); use --loss-backend auto"
+        "openrlhf-lopti train: error: --loss-backend triton needs a CUDA device, or TRITON_INTERPRET=1 in the "
+        "environment to run on cpu (slow); use --loss-backend auto"
     )
     assert not out.exists() or not any(out.iterdir())
     assert cli_main(argv + ["--loss-backend", "torch"]) == 0  # the retry is not refused
@@ -283,6 +283,17 @@ def test_unknown_command_and_bad_demo_flags(capsys):
         "openrlhf-lopti demo: error: --methods must be a comma-separated subset of grpo,ar,lopti,ar+lopti, got "
         "'grpo,ppo'"
     )
+
+
+@pytest.mark.parametrize("command", ["demo", "audit", "study"])
+def test_a_method_named_twice_is_refused_by_every_command_that_compares_methods(command, tmp_path, capsys):
+    """audit --methods grpo,grpo measured grpo twice and listed it twice (demo and study refused it, each in its own
+    words); one check now (``local.config.method_list``), before any model is built."""
+    out = tmp_path / command
+    assert fails(capsys, [command, "--out", str(out), "--methods", "grpo,ar,grpo"]) == (
+        f"openrlhf-lopti {command}: error: --methods names grpo twice: give each method once, got 'grpo,ar,grpo'"
+    )
+    assert not out.exists()
 
 
 def test_ctrl_c_is_one_line_and_exit_130_and_debug_keeps_the_traceback(capsys):

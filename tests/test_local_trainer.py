@@ -1,6 +1,7 @@
 """The trainer end to end in-process on a tiny model: metrics, checkpoints, exact resumption, run-dir rules."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -163,8 +164,11 @@ def test_cli_precedence_defaults_saved_preset_flags(tmp_path):
     assert (cfg.alpha, cfg.lopti, cfg.people) == (0.2, True, [2])
     cfg = config_from_args(parse(["--model", "m", "--out", "o", "--people", "3,4", "--no-lopti", "--method", "lopti"]))
     assert cfg.people == [3, 4] and cfg.lopti is False
-    with pytest.raises(UserError, match="--model is required"):
+    with pytest.raises(UserError, match=r"^--model is required \(a local Hugging Face checkpoint folder\)$"):
         config_from_args(parse(["--out", "o"]))
+    empty = tmp_path / "empty"
+    with pytest.raises(UserError, match=re.escape(f"; --resume found no run in {empty} (no config.json)") + "$"):
+        config_from_args(parse(["--resume", "--out", str(empty)]))
     with pytest.raises(UserError, match="--resume needs --out"):
         config_from_args(parse(["--resume"]))
     cfg = config_from_args(parse(["--model", "m", "--out", "o", "--optimizer", "sgd", "--momentum", "0.5"]))

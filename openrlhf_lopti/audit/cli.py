@@ -32,7 +32,7 @@ import torch
 from openrlhf_lopti.algo.option_checks import check_temperature
 from openrlhf_lopti.demo.warmup import build_warm_model
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
-from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig, saved_settings
+from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig, method_list, saved_settings
 from openrlhf_lopti.local.experience import make_experience
 from openrlhf_lopti.local.model import load_model, quiet_transformers
 from openrlhf_lopti.local.task import prompt_for, resolve_prompt_style, train_puzzles
@@ -176,7 +176,7 @@ def run_audit(args: argparse.Namespace, out: Path) -> dict:
         weight_decay=weight_decay, eta=args.eta, kl_coef=0.0, seed=args.seed, device=str(device),
         loss_backend=args.loss_backend, mini_batch_size=args.prompts * args.n_samples, progress=False, **run_optimizer,
     )  # fmt: skip
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = method_list(args.methods)
     if args.optimizer == "checkpoint" and cfg.lopti_moments == "per-phase":
         plain = [m for m in methods if not METHODS[m][1]]
         if plain:
@@ -248,9 +248,7 @@ def main(argv: Optional[list] = None) -> int:
         raise UserError("--param-grad-tokens must be >= 0")
     if args.people is not None:
         args.people = parse_people(args.people)  # before a model is built or loaded
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not methods or any(m not in METHODS for m in methods):
-        raise UserError(f"--methods must be a subset of {','.join(METHODS)}, got {args.methods!r}")
+    method_list(args.methods)  # checked before a model is built or loaded
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out or time.strftime("runs/audit-%Y%m%d-%H%M%S"))

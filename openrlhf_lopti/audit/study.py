@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Optional
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
-from openrlhf_lopti.local.config import METHODS, OPTIMIZERS
+from openrlhf_lopti.local.config import METHODS, OPTIMIZERS, method_list
 from openrlhf_lopti.local.task import people_sizes
 from openrlhf_lopti.runs import read_metrics, window_mean
 
@@ -692,9 +692,7 @@ def main(argv: Optional[list] = None) -> int:
         if not args.out:
             raise UserError("--warmup-job needs --out")
         return warmup_job(Path(args.out), args.warmup_job)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not methods or any(m not in METHODS for m in methods) or len(set(methods)) != len(methods):
-        raise UserError(f"--methods must be a comma-separated subset of {','.join(METHODS)}, got {args.methods!r}")
+    methods = method_list(args.methods)
     if args.seeds < 1:
         raise UserError(f"--seeds must be >= 1, got {args.seeds}")
     if args.jobs < 1:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
-from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig, method_settings
+from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig, method_list, method_settings
 from openrlhf_lopti.local.evaluation import greedy_eval
 from openrlhf_lopti.local.model import load_model, quiet_transformers
 from openrlhf_lopti.local.plots import plot_runs
@@ -150,13 +150,7 @@ def format_table(baseline: Optional[dict], rows: list, frac: float = 0.2) -> str
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_transformers()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        raise UserError(f"--methods must be a comma-separated subset of {','.join(METHODS)}, got {args.methods!r}")
-    twice = sorted({m for m in methods if methods.count(m) > 1})
-    if twice:  # the second would resume the first's finished run, and the table would list it twice
-        raise UserError(f"--methods names {', '.join(twice)} twice: give each method once, got {args.methods!r}")
+    methods = method_list(args.methods)
     for name in ("steps", "warmup_steps", "prompts_per_step", "n_samples"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -146,7 +146,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         values.update(method_settings(args.method))
     values.update(given)
     if "model" not in values:
-        raise UserError("--model is required (a local Hugging Face checkpoint folder)")
+        resuming = getattr(args, "resume", False)  # else told only to name a model: say the folder holds no run
+        none_there = f"; --resume found no run in {given['out']} (no config.json)" if resuming else ""
+        raise UserError(f"--model is required (a local Hugging Face checkpoint folder){none_there}")
     try:
         return TrainConfig.from_dict(values)
     except ConfigError as e:  # the config names its field; the user typed a flag

@@ -270,6 +270,18 @@ def saved_settings(values: dict) -> dict:
     return values
 
 
+def method_list(text: str) -> list[str]:
+    """``--methods grpo,ar`` -> ``["grpo", "ar"]``: a comma-separated subset of :data:`METHODS`, each once (a method
+    named twice would train, or be measured, twice and be listed twice in the table)."""
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    if not methods or any(m not in METHODS for m in methods):
+        raise UserError(f"--methods must be a comma-separated subset of {','.join(METHODS)}, got {text!r}")
+    twice = sorted({m for m in methods if methods.count(m) > 1})
+    if twice:
+        raise UserError(f"--methods names {', '.join(twice)} twice: give each method once, got {text!r}")
+    return methods
+
+
 def method_settings(method: str) -> dict:
     """``{"alpha": ..., "lopti": ...}`` of a preset in :data:`METHODS`."""
     if method not in METHODS:

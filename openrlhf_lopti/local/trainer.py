@@ -19,6 +19,7 @@ import torch
 
 from openrlhf_lopti.algo import approx_kl, direction_counts, direction_metrics, lopti_settings, plan_round
 from openrlhf_lopti.errors import UserError
+from openrlhf_lopti.ops.fused_policy_loss import backend_cannot_run
 from openrlhf_lopti.runs import check_model_dir, check_out_dir, prepare_out_dir, read_metrics
 
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, optimizer_states, save_checkpoint, set_rng_state
@@ -74,24 +75,11 @@ def check_run_dir(
 
 
 def check_loss_backend(backend: str, device: torch.device) -> None:
-    """Refuse, before anything is loaded or written, a ``--loss-backend`` that cannot run on ``device``."""
-    if backend == "triton":
-        from openrlhf_lopti.ops.triton import triton_available
-
-        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        if not triton_available() or (device.type != "cuda" and not interpreted):
-            raise UserError(
-                f"--loss-backend triton cannot run on {device}: it needs triton and a CUDA --device, or "
-                "TRITON_INTERPRET=1 in the environment to run on CPU (slow: tests only); use --loss-backend auto"
-            )
-    elif backend == "cpp":
-        from openrlhf_lopti.ops.cpp_policy_loss import cpp_available
-
-        if device.type != "cpu":
-            raise UserError(f"--loss-backend cpp runs on CPU only, not {device}; use --loss-backend auto")
-        if not cpp_available():
-            raise UserError("--loss-backend cpp: the C++ kernel is not built here (see the warning above); "
-                            "use --loss-backend auto or torch")  # fmt: skip
+    """Refuse, before anything is loaded or written, a ``--loss-backend`` that cannot run on ``device`` (the rule of
+    every front end: :func:`openrlhf_lopti.ops.fused_policy_loss.backend_cannot_run`)."""
+    problem = backend_cannot_run(backend, device.type)
+    if problem:
+        raise UserError(f"--loss-backend {backend} {problem}; use --loss-backend auto")
 
 
 class LocalTrainer:
