@@ -79,7 +79,7 @@ def _make_inputs(n: int, v: int, dtype, seed: int = 0, block: int = 64) -> dict:
     return dict(
         logits=logits,
         labels=labels,
-        old_log_probs=logp + torch.randn(n, generator=g) * 0.3,
+        old_log_probs=(logp + torch.randn(n, generator=g) * 0.3).clamp(max=0.0),  # log-probs are <= 0
         advantages=torch.randn(n, generator=g),
         mask=torch.ones(n, dtype=torch.bool),
         ref_log_probs=logp + torch.randn(n, generator=g) * 0.5,

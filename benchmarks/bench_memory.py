@@ -86,7 +86,8 @@ def _make_inputs(n: int, h: int, v: int, dtype: torch.dtype, device: str, seed: 
     logp, _ = linear_log_probs(hidden, weight, labels, temperature=TEMPERATURE)
     noise = lambda s: s * torch.randn(n, generator=g, device=device)  # noqa: E731
     return dict(hidden=hidden.requires_grad_(True), weight=weight.requires_grad_(True), labels=labels,
-                old=logp + noise(0.3), ref=logp + noise(0.5), adv=torch.randn(n, generator=g, device=device),
+                old=(logp + noise(0.3)).clamp(max=0.0), ref=logp + noise(0.5),  # old: a log-prob, <= 0
+                adv=torch.randn(n, generator=g, device=device),
                 mask=torch.ones(n, dtype=torch.bool, device=device))  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from openrlhf_lopti.ops.triton.policy_loss import ENV_BLOCK_V, ENV_NUM_WARPS
 
 def _inputs(n: int, v: int, dtype: torch.dtype, seed: int = 0) -> dict:
     g = torch.Generator(device="cuda").manual_seed(seed)
-    old = torch.randn(n, device="cuda", generator=g) * 0.5 - 1.5
+    old = (torch.randn(n, device="cuda", generator=g) * 0.5 - 1.5).clamp(max=0.0)  # log-probs are <= 0
     return dict(
         logits=(torch.randn(n, v, device="cuda", generator=g) * 4).to(dtype),
         labels=torch.randint(0, v, (n,), device="cuda", generator=g),

@@ -83,7 +83,7 @@ def make_inputs(case: Case, device: str = "cpu") -> dict:
     labels = torch.where(torch.rand(n, generator=g) < 0.4, top, labels)
     with torch.no_grad():
         logp = torch.log_softmax(logits.float() / case.temperature, -1).gather(-1, labels[:, None]).squeeze(-1)
-    old = logp + torch.randn(n, generator=g) * case.old_spread
+    old = (logp + torch.randn(n, generator=g) * case.old_spread).clamp(max=0.0)  # log-probs are <= 0
     ref = logp + torch.randn(n, generator=g) * case.ref_spread
     adv = torch.randn(n, generator=g)
     mask = torch.rand(n, generator=g) >= case.masked_fraction

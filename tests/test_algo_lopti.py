@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openrlhf_lopti.algo import lopti_phases
+from openrlhf_lopti.algo import LoptiSettings, lopti_phases, plan_round
 from openrlhf_lopti.algo.lopti import quantile_threshold
 
 
@@ -84,6 +84,20 @@ def test_unmasked_nan_is_ignored_but_masked_nan_is_an_error():
     assert low.tolist() == [False, False] and high.tolist() == [True, False]  # p = 0.905: high; NaN row: neither
     with pytest.raises(ValueError, match=r"^old_log_probs contains NaN on 1 response token\(s\)$"):
         lopti_phases(old, torch.tensor([True, True]))
+
+
+@pytest.mark.parametrize("ar_alpha, lopti", [(0.3, None), (0.0, 0.5)])
+def test_a_positive_old_log_prob_is_an_error_of_the_round_not_an_inf_metric(ar_alpha, lopti):
+    """old = 89 logged ar/mean_weight = inf and 0.5 (a sign-flipped NLL) a weight of 1.2 > 1, silently; a log-prob up
+    to 1e-3 above 0 is rounding and stays legal, and on padding anything is."""
+    settings = None if lopti is None else LoptiSettings(eta=lopti)
+    mask = torch.tensor([True, True, False])
+    for bad in (89.0, 0.5, float("inf")):
+        with pytest.raises(ValueError, match=r"^old_log_probs must be log-probabilities \(<= 0, up to 0.001 of "
+                                             r"rounding\): 1 response token\(s\) hold more$"):  # fmt: skip
+            plan_round(torch.tensor([-0.1, bad, -1.0]), mask, settings, ar_alpha=ar_alpha)
+    fine = plan_round(torch.tensor([-0.1, 5e-4, 89.0]), mask, settings, ar_alpha=ar_alpha)
+    assert sum(phase.tokens for phase in fine.phases) == 2
 
 
 @pytest.mark.parametrize("seed", [0, 155])  # 155: q * (n - 1) is a whole number, the quantile is a token's p

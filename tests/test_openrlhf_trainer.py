@@ -697,7 +697,8 @@ def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, aggregat
 
     def off_policy(experience):  # rollout log-probs 0.4 nats around the actor's: both clip bounds bind at step 1
         noise = torch.randn(experience.action_log_probs.shape, generator=torch.Generator().manual_seed(6))
-        experience.action_log_probs = (experience.action_log_probs + 0.4 * noise) * experience.action_mask
+        rollout = (experience.action_log_probs + 0.4 * noise).clamp(max=0.0)  # still log-probs (the kernel checks)
+        experience.action_log_probs = rollout * experience.action_mask
 
     def ar(experience):
         experience.advantages = experience.advantages * (a * experience.action_log_probs.exp() + 1 - a)
@@ -718,7 +719,8 @@ def test_fused_loss_matches_upstream_loss_and_gradients(alpha, packing, aggregat
     assert fused.trainer.fused_backend == "torch" and fused.actor.packing_samples == packing
     ratio = (-0.4 * torch.randn(fused.experience.action_log_probs.shape, generator=torch.Generator().manual_seed(6))).exp()
     advantages, response = fused.experience.advantages, fused.experience.action_mask
-    assert (response & (advantages < 0) & (ratio < 0.9) & (ratio > 0.8)).any()  # clipped at 0.1, not at 0.2
+    unclamped = fused.experience.action_log_probs < 0  # where the ratio is exp(-0.4 * noise)
+    assert (response & unclamped & (advantages < 0) & (ratio < 0.9) & (ratio > 0.8)).any()  # clipped at 0.1, not 0.2
     assert len(fused.strategy.steps) == len(reference.strategy.steps) == 2
     assert_same_update(fused, reference, fused64, reference64, steps=(0,))
     for key in ("policy_loss", "kl", "ppo_kl"):

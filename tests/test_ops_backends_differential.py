@@ -110,7 +110,7 @@ def _inputs(n=6, v=50, dtype=torch.float32, seed=0, scale=3.0, offset=0.0, old_s
     return {
         "logits": logits.to(dtype),
         "labels": labels,
-        "old_log_probs": logp + torch.randn(n, generator=g) * old_spread,
+        "old_log_probs": (logp + torch.randn(n, generator=g) * old_spread).clamp(max=0.0),  # log-probs are <= 0
         "advantages": torch.randn(n, generator=g),
         "mask": torch.ones(n, dtype=torch.bool) if mask is None else mask,
         "ref_log_probs": logp + torch.randn(n, generator=g) * 0.5 if ref else None,

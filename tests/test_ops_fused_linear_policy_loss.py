@@ -41,7 +41,7 @@ def make_inputs(n=37, h=16, v=50, dtype=torch.float32, masked_fraction=0.25, bia
         weight=weight.to(dtype),
         bias=(torch.randn(v, generator=g) * 0.5).to(dtype) if bias else None,
         labels=labels,
-        old_log_probs=logp + 0.3 * torch.randn(n, generator=g),
+        old_log_probs=(logp + 0.3 * torch.randn(n, generator=g)).clamp(max=0.0),  # log-probs are <= 0
         advantages=torch.randn(n, generator=g),
         mask=torch.rand(n, generator=g) >= masked_fraction,
         ref_log_probs=logp + 0.5 * torch.randn(n, generator=g),
@@ -536,7 +536,9 @@ def test_a_non_finite_logits_row_is_named_by_its_global_index(backend):
 BAD_VALUES = [
     (dict(labels=torch.full((N,), V)), "labels must be token ids in \\[0, V\\) = \\[0, 7\\) on unmasked rows \\(row 0"),
     (dict(old_log_probs=torch.tensor([0.0, -1.0, float("nan"), 0.0, 0.0])),
-     "old_log_probs must be finite on unmasked rows \\(as float32, the precision of the loss\\) \\(row 2"),
+     "old_log_probs must be finite log-probabilities \\(<= 0, up to 0.001 of rounding\\) on unmasked rows "
+     "\\(as float32, the precision of the loss\\) \\(row 2"),
+    (dict(old_log_probs=torch.tensor([0.0, 89.0, 0.0, 0.0, 0.0])), "old_log_probs must be finite log-prob.* \\(row 1"),
     (dict(advantages=torch.tensor([0.0, 0.0, 0.0, float("-inf"), 0.0])), "advantages must be finite .* \\(row 3"),
 ]  # fmt: skip
 
@@ -583,7 +585,8 @@ def test_defaults_are_the_textbook_loss():
     inputs = make_inputs(seed=19)
     with torch.no_grad():  # old log-probs near the current ones at T = 1 (make_inputs's are at T = 0.7)
         logp, _ = token_logprobs(torch.addmm(inputs["bias"], inputs["hidden"], inputs["weight"].t()), inputs["labels"])
-    inputs["old_log_probs"] = logp + 0.3 * torch.randn(37, generator=torch.Generator().manual_seed(19))
+    noise = 0.3 * torch.randn(37, generator=torch.Generator().manual_seed(19))
+    inputs["old_log_probs"] = (logp + noise).clamp(max=0.0)  # log-probs are <= 0
     hidden, weight, bias = (inputs[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias"))
     out = fused_linear_policy_loss(hidden, weight, inputs["labels"], inputs["old_log_probs"], inputs["advantages"],
                                    inputs["mask"], bias=bias, backend="torch")  # fmt: skip
@@ -624,7 +627,8 @@ def test_every_option_reaches_the_kernel():
     with torch.no_grad():  # old log-probs near the current ones with the bias (make_inputs's have none)
         logp, _ = token_logprobs(torch.addmm(inputs["bias"], inputs["hidden"], inputs["weight"].t()), inputs["labels"],
                                  0.7)  # fmt: skip
-    inputs["old_log_probs"] = logp + 0.3 * torch.randn(37, generator=torch.Generator().manual_seed(23))
+    noise = 0.3 * torch.randn(37, generator=torch.Generator().manual_seed(23))
+    inputs["old_log_probs"] = (logp + noise).clamp(max=0.0)  # log-probs are <= 0
     opts = dict(alpha=0.3, eps_low=0.1, eps_high=0.3, dual_clip=2.0, kl_coef=0.1, kl_estimator="k2", temperature=0.7)
     hidden, weight, bias = (inputs[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias"))
     rest = {k: v for k, v in inputs.items() if k not in ("hidden", "weight", "bias")}

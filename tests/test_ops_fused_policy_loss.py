@@ -134,7 +134,11 @@ BAD_VALUES = {
     "labels": [(dict(labels=_with("labels", 2, -1)), 2), (dict(labels=_with("labels", 3, V)), 3)],
     "old_log_probs": [(dict(old_log_probs=_with("old_log_probs", 0, float("nan"))), 0),
                       (dict(old_log_probs=_with("old_log_probs", 5, -float("inf"))), 5),
-                      (dict(old_log_probs=_with_double("old_log_probs", 2, -1e300)), 2)],
+                      (dict(old_log_probs=_with_double("old_log_probs", 2, -1e300)), 2),
+                      # not log-probs: exp(89) is inf (AR's weight 0 * inf + 1 was a silent NaN loss at alpha 0), and
+                      # a sign-flipped NLL of 0.5 weighted its token by 1.65 > 1
+                      (dict(old_log_probs=_with("old_log_probs", 1, 89.0)), 1),
+                      (dict(old_log_probs=_with("old_log_probs", 3, 0.5)), 3)],
     "advantages": [(dict(advantages=_with("advantages", 1, float("nan"))), 1),
                    (dict(advantages=_with("advantages", 4, float("inf"))), 4),
                    (dict(advantages=_with_double("advantages", 0, 1e300)), 0)],
@@ -198,7 +202,8 @@ def test_a_bad_value_is_named_with_its_row_at_once_or_at_the_step(name, override
         (dict(labels=torch.zeros(N + 1, dtype=torch.long)), f"labels must have shape [N]=[{N}] to match logits [N, V], got ({N + 1},)"),
         (dict(mask=torch.ones(N, dtype=torch.bool, device=meta)), "mask is on meta but logits is on cpu"),
         (dict(old_log_probs=_with("old_log_probs", 0, float("nan"))),
-         "old_log_probs must be finite on unmasked rows (as float32, the precision of the loss) (row 0)"),
+         "old_log_probs must be finite log-probabilities (<= 0, up to 0.001 of rounding) on unmasked rows (as "
+         "float32, the precision of the loss) (row 0)"),
         (dict(ref_log_probs=None, kl_coef=0.1), "ref_log_probs is required when kl_coef != 0"),
     ],
     ids=["logits-list", "logits-1d", "logits-no-vocab", "labels-list", "labels-shape", "mask-device", "old-nan", "ref-missing"],

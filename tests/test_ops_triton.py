@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openrlhf_lopti.algo import policy_loss_from_logits
-from openrlhf_lopti.ops import fused_policy_loss
+from openrlhf_lopti.ops import fused_linear_policy_loss, fused_policy_loss
 from openrlhf_lopti.ops import triton as triton_ops
 
 from .kernel_cases import (
@@ -293,6 +293,20 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
     )
     with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
         _call(inputs, backend="triton")
+
+
+def test_fused_policy_loss_refuses_triton_on_cpu_without_the_interpreter_before_it_runs(monkeypatch):
+    """It raised the backend's RuntimeError from inside the call; the documented promise is a ValueError naming the
+    argument before anything runs (what the front ends check at parse time, ``backend_cannot_run``)."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    inputs = make_inputs(Case(n=2, v=8))
+    message = "backend='triton' needs a CUDA device, or TRITON_INTERPRET=1 in the environment to run on cpu (slow)"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}; use backend='auto'$"):
+        _call(inputs, backend="triton")
+    hidden, weight = torch.randn(2, 4), torch.randn(8, 4)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}; use backend='auto'$"):
+        fused_linear_policy_loss(hidden, weight, *(inputs[k] for k in ("labels", "old_log_probs", "advantages",
+                                 "mask")), backend="triton")  # fmt: skip
 
 
 def _direct(inputs, **opts):

@@ -4,6 +4,12 @@ import torch
 
 from .option_checks import check_alpha
 
+# The largest old log-prob the loss, the kernels and the round accept: a probability is at most 1, so a log-prob at
+# most 0, and a computed one is above it by rounding only (~1e-7 in fp32). Above this, ``exp`` makes AR's weight
+# (and Lopti's p) exceed 1, and 89 overflows it to inf (a NaN loss even at alpha = 0): a sign-flipped NLL, not a
+# log-prob.
+OLD_LOG_PROB_MAX = 1e-3
+
 
 def ar_weight(old_log_probs: torch.Tensor, alpha: float) -> torch.Tensor:
     """The AR weight ``alpha * exp(old_log_probs) + 1 - alpha``, detached, in fp32.

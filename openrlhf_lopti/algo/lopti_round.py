@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .advantage import ar_weight
+from .advantage import OLD_LOG_PROB_MAX, ar_weight
 from .option_checks import check_alpha
 from .lopti import check_lopti_args, quantile_threshold
 
@@ -160,8 +160,9 @@ def plan_round(
         the metrics.
 
     Raises:
-        ValueError: mismatched shapes (before any collective), or NaN log-probs on a response token of any
-            process (on every process, after the all-reduce).
+        ValueError: mismatched shapes (before any collective), or NaN or positive (above
+            :data:`~.advantage.OLD_LOG_PROB_MAX`) log-probs on a response token of any process (on every process,
+            after the all-reduce).
     """
     if lopti is not None and not isinstance(lopti, LoptiSettings):
         raise ValueError(f"lopti must be a LoptiSettings or None, got {lopti!r} ({type(lopti).__name__})")
@@ -185,7 +186,8 @@ def plan_round(
     probs = old.to(torch.promote_types(old.dtype, torch.float32)).exp()
     # Every sum selects the response tokens (``&``, ``where``), never multiplies by the mask: a masked position may
     # hold anything (NaN or inf padding), and NaN * 0 is NaN.
-    sums = {"tokens": float(response.sum()), "nan_tokens": float((torch.isnan(probs) & response).sum())}
+    sums = {"tokens": float(response.sum()), "nan_tokens": float((torch.isnan(probs) & response).sum()),
+            "above_0_tokens": float((response & (old > OLD_LOG_PROB_MAX)).sum())}  # fmt: skip
     if ar_alpha > 0:
         sums["ar_weight"] = float(torch.where(response, ar_weight(old, ar_alpha), 0.0).sum())
     threshold, low = None, None
@@ -199,6 +201,9 @@ def plan_round(
         sums = {key: float(value) for key, value in all_reduce(sums).items()}
     if sums["nan_tokens"] > 0:  # every process sees the reduced count and raises together
         raise ValueError(f"old_log_probs contains NaN on {int(sums['nan_tokens'])} response token(s)")
+    if sums["above_0_tokens"] > 0:  # a probability above 1: AR's weight and Lopti's p would be wrong, or inf
+        raise ValueError(f"old_log_probs must be log-probabilities (<= 0, up to {OLD_LOG_PROB_MAX:g} of rounding): "
+                         f"{int(sums['above_0_tokens'])} response token(s) hold more")  # fmt: skip
 
     tokens = sums["tokens"]
     metrics = {}

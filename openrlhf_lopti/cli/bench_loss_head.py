@@ -130,7 +130,7 @@ def make_inputs(cfg: Config) -> dict:
     return {
         "logits": logits,
         "labels": labels,
-        "old_log_probs": logp + (torch.randn(n, generator=g) * 0.2).to(device),
+        "old_log_probs": (logp + (torch.randn(n, generator=g) * 0.2).to(device)).clamp(max=0.0),  # log-probs: <= 0
         "ref_log_probs": logp + (torch.randn(n, generator=g) * 0.3).to(device),
         "advantages": adv_seq.repeat_interleave(cfg.seq_len).to(device),
         "advantages_per_sequence": adv_seq.to(device),

@@ -36,7 +36,7 @@ from ..algo import policy_loss_from_logp
 from . import vocab_block as torch_blocks
 from .first_order import first_order
 from .fused_policy_loss import BACKENDS, LOGITS_DTYPES, _check_row_inputs, apply_check_policy, check_weights
-from .fused_policy_loss import resolve_backend
+from .fused_policy_loss import backend_cannot_run, resolve_backend
 from .loss_head_output import LossHeadOutput
 from .loss_options import LossOptions, resolve_options
 from .torch_policy_loss import finish_per_token
@@ -72,6 +72,9 @@ def _check_linear_inputs(hidden, weight, bias, chunk_size, vocab_block, backend:
         raise ValueError(f"hidden must be a [N, H] tensor, got shape {getattr(hidden, 'shape', type(hidden))}")
     if hidden.dtype not in LOGITS_DTYPES:
         raise ValueError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
+    problem = backend_cannot_run(backend, hidden.device.type)
+    if problem:
+        raise ValueError(f"backend={backend!r} {problem}; use backend='auto'")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(
             f"weight must be the lm_head's [V, H] = [V, {hidden.shape[1]}] tensor, "

@@ -48,6 +48,9 @@ def _check_inputs(
     n, v = logits.shape
     if v == 0:
         raise ValueError("logits must have a non-empty vocab dimension V")
+    problem = backend_cannot_run(backend, logits.device.type)  # else an error from inside the backend
+    if problem:
+        raise ValueError(f"backend={backend!r} {problem}; use backend='auto'")
     _check_row_inputs(
         n, v, logits.device, "logits [N, V]", labels, old_log_probs, advantages, mask, ref_log_probs,
         alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature,
@@ -235,7 +238,7 @@ def fused_policy_loss(
             ``reduced = sum(loss_weights * loss) + sum(entropy_weights * entropy)`` and only ``reduced`` carries a
             gradient: the Triton kernel then writes the gradient w.r.t. the logits while it reads them (the
             one-pass head) and the backward only scales it. The reductions the front ends use are such weights
-            (a token mean: ``mask / count``; :func:`~openrlhf_lopti.algo.loss_reduction_weights`).
+            (a token mean: ``mask / count``; TRL's loss types: ``openrlhf_lopti.trl``'s ``_loss_type_weights``).
         entropy_weights: ``[N]`` float weights of the entropy in ``reduced`` (e.g. ``-coef * loss_weights`` for an
             entropy bonus), or None; needs ``loss_weights``, and returns the entropy too.
         grad_in_logits: with ``loss_weights``, the gradient is written into the logits' own buffer (one ``[N, V]``

@@ -21,13 +21,14 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from ..algo.advantage import OLD_LOG_PROB_MAX
 from ..algo.policy_loss import bad_logit_row_error
 
 CHECK_POLICIES = ("eager", "step", "off")
 
 # One bit per kind of bad value on an unmasked row (the Triton kernel has the same numbers as constexprs).
 BAD_LABEL = 1  # label outside [0, V)
-BAD_OLD = 2  # old_log_probs not finite (as float32)
+BAD_OLD = 2  # old_log_probs not finite or above OLD_LOG_PROB_MAX (as float32): not a log-prob
 BAD_ADVANTAGE = 4  # advantages not finite (as float32)
 BAD_REF = 8  # ref_log_probs not finite (as float32)
 BAD_LOGITS = 16  # the row has no finite log-sum-exp: a NaN or +inf logit, only -inf, or an overflow at T
@@ -62,7 +63,8 @@ def input_status(
         :data:`BAD_REF` per kept row. No host sync.
     """
     status = ((labels < 0) | (labels >= vocab_size)).to(torch.int32) * BAD_LABEL
-    status |= (~torch.isfinite(old_log_probs.float())).to(torch.int32) * BAD_OLD
+    old = old_log_probs.float()
+    status |= (~(torch.isfinite(old) & (old <= OLD_LOG_PROB_MAX))).to(torch.int32) * BAD_OLD
     status |= (~torch.isfinite(advantages.float())).to(torch.int32) * BAD_ADVANTAGE
     if ref_log_probs is not None:
         status |= (~torch.isfinite(ref_log_probs.float())).to(torch.int32) * BAD_REF
@@ -103,7 +105,10 @@ class ValueStatus:
         if bits & BAD_LABEL:
             return ValueError(f"labels must be token ids in [0, V) = [0, {self.vocab_size}) on unmasked rows "
                               f"(row {row}{at})")  # fmt: skip
-        for bit, name in ((BAD_OLD, "old_log_probs"), (BAD_ADVANTAGE, "advantages"), (BAD_REF, "ref_log_probs")):
+        if bits & BAD_OLD:
+            return ValueError(f"old_log_probs must be finite log-probabilities (<= 0, up to {OLD_LOG_PROB_MAX:g} of "
+                              f"rounding) {_IN_FP32} (row {row}{at})")  # fmt: skip
+        for bit, name in ((BAD_ADVANTAGE, "advantages"), (BAD_REF, "ref_log_probs")):
             if bits & bit:
                 return ValueError(f"{name} must be finite {_IN_FP32} (row {row}{at})")
         if self.row_logits is not None:

@@ -19,11 +19,11 @@ persistent grid keeps the rows in flight within L2), and the backward only scale
 
 Every output is written by the kernels (buffers come from ``torch.empty``; nothing is zero-filled by other
 launches), and the value checks are made in the forward as per-row status bits (``ops/value_status.py``): a label
-outside ``[0, V)`` (never read), a non-finite old / ref log-prob or advantage (the ``[N]`` vectors are read in their
-own dtype and rounded to fp32 in the kernel), a row without a finite log-sum-exp (a NaN or +inf logit, only -inf,
-or an overflow at T). A flagged row's loss, log-prob and gradient are NaN, and its bits are OR-ed into one int32
-word with an atomic (only flagged rows touch it), read when the check policy says. -inf logits are exact
-(probability 0, no entropy term, zero gradient), as the reference defines them.
+outside ``[0, V)`` (never read), a non-finite old / ref log-prob or advantage or an old log-prob above 0 (the
+``[N]`` vectors are read in their own dtype and rounded to fp32 in the kernel), a row without a finite log-sum-exp
+(a NaN or +inf logit, only -inf, or an overflow at T). A flagged row's loss, log-prob and gradient are NaN, and
+its bits are OR-ed into one int32 word with an atomic (only flagged rows touch it), read when the check policy
+says. -inf logits are exact (probability 0, no entropy term, zero gradient), as the reference defines them.
 
 Gradient of the surrogate w.r.t. ``logp`` (matches torch's autograd of the reference):
 ``-A' * ratio`` when the log ratio is inside the +-20 clamp, the unclipped branch is active
@@ -60,6 +60,7 @@ BAD_OLD = tl.constexpr(value_status.BAD_OLD)
 BAD_ADVANTAGE = tl.constexpr(value_status.BAD_ADVANTAGE)
 BAD_REF = tl.constexpr(value_status.BAD_REF)
 BAD_LOGITS = tl.constexpr(value_status.BAD_LOGITS)
+OLD_LOG_PROB_MAX = tl.constexpr(value_status.OLD_LOG_PROB_MAX)
 # The one-pass head runs a persistent grid, this many programs per SM (its rows then fit in L2, so the second
 # sweep over a row reads cache, not HBM): untuned, no GPU has run it yet (benchmarks/gpu_session.sh sweeps it).
 DEFAULT_PROGRAMS_PER_SM = 2
@@ -170,7 +171,7 @@ def _policy_loss_fwd_kernel(
             adv = tl.load(adv_ptr + row).to(tl.float32)
             # NaN / +inf anywhere make s NaN (or m +inf); all -inf leaves m + log_s = -inf.
             status = bad_label.to(tl.int32) * BAD_LABEL
-            status = status | tl.where(tl.abs(old) < float("inf"), 0, BAD_OLD)
+            status = status | tl.where((tl.abs(old) < float("inf")) & (old <= OLD_LOG_PROB_MAX), 0, BAD_OLD)
             status = status | tl.where(tl.abs(adv) < float("inf"), 0, BAD_ADVANTAGE)
             status = status | tl.where(tl.abs(m + log_s) < float("inf"), 0, BAD_LOGITS)
 

@@ -120,7 +120,7 @@ class SelfCheck:
 def _inputs(case: Case, device: torch.device, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, case.v, (case.n,), generator=g)
-    old = torch.randn(case.n, generator=g) * 0.5 - 1.5
+    old = (torch.randn(case.n, generator=g) * 0.5 - 1.5).clamp(max=0.0)  # log-probs: above 0 is flagged
     rows = dict(
         labels=labels,
         old_log_probs=old,
