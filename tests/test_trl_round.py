@@ -196,9 +196,11 @@ def test_the_round_is_in_the_checkpoint_before_it_is_pushed(cut_run):
 
 @pytest.mark.parametrize(
     "changed, saved",
-    [(dict(lopti_eta=0.3), "lopti_eta=0.5"), (dict(steps_per_generation=2, max_steps=12), "steps_per_generation=1")],
-    ids=["eta", "steps_per_generation"],
-)
+    [(dict(lopti_eta=0.3), "lopti_eta=0.5"), (dict(steps_per_generation=2, max_steps=12), "steps_per_generation=1"),
+     # the batch itself: without reference log-probs (a KeyError before), old log-probs at another temperature
+     (dict(beta=0.1), "beta=0.0"), (dict(temperature=0.5), "temperature=1.0")],
+    ids=["eta", "steps_per_generation", "beta", "temperature"],
+)  # fmt: skip
 def test_a_resume_under_other_settings_is_refused_naming_the_setting_and_both_values(cut_run, tok, changed, saved):
     """The round file holds the settings its batch and phases mean something under. (Before: another eta trained
     the rest of the round on the old threshold's phases without a word; another steps_per_generation
@@ -211,6 +213,27 @@ def test_a_resume_under_other_settings_is_refused_naming_the_setting_and_both_va
     message = str(info.value)
     assert f"was saved with {saved}, this run has {key}={changed[key]}" in message, message
     assert message.startswith("resume_from_checkpoint: ") and "\n" not in message
+
+
+def test_another_runs_round_file_in_a_reused_folder_neither_blocks_a_resume_nor_stays(cut_run, tok, tmp_path):
+    """A run at a round's end writes no round file, but one of an earlier run with other settings could be in the
+    folder (the same output_dir): it refused the valid resume ("saved with steps_per_generation=2"), and a new
+    checkpoint at a round's end kept it. Now a checkpoint at a round's end ignores it, and the save removes it."""
+    import shutil
+
+    cfg, start, _ = cut_run
+    stale = torch.load(os.path.join(cfg.output_dir, "checkpoint-3", "lopti_round-0.pt"), weights_only=False)
+    stale["settings"]["steps_per_generation"] = 2  # as an earlier run's
+    shutil.copytree(os.path.join(cfg.output_dir, "checkpoint-6"), tmp_path / "checkpoint-6")
+    for step in (6, 8):
+        (tmp_path / f"checkpoint-{step}").mkdir(exist_ok=True)
+        torch.save(stale, tmp_path / f"checkpoint-{step}" / "lopti_round-0.pt")
+    more = LoptiGRPOConfig(**cut_settings(tmp_path, max_steps=8, save_steps=2))
+    resumed = step_log(more, tok, start)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-6"))
+    assert [(step, phase) for step, phase, _ in resumed.steps] == [(6, 0), (7, 1)]  # a new round, both phases
+    assert (tmp_path / "checkpoint-8" / "trainer_state.json").exists()
+    assert not (tmp_path / "checkpoint-8" / "lopti_round-0.pt").exists()
 
 
 def test_a_mid_round_checkpoint_without_its_round_is_refused(cut_run, tok, tmp_path):

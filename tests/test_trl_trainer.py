@@ -364,6 +364,11 @@ def test_kk_run_checkpoint_and_metrics(tmp_path, tok):
         (dict(lopti_eta=0.5, gradient_accumulation_steps=4), "gradient_accumulation_steps"),
         (dict(lopti_eta=0.5, num_iterations=0), "num_iterations=0"),  # was a ZeroDivisionError
         (dict(ar_alpha=True), "ar_alpha"),  # not 1.0
+        # TRL trains these to NaN weights with a logged loss of 0 (AR and Lopti off too)
+        (dict(beta=float("nan")), "beta must be a finite number (as float32, the precision of the loss), got nan"),
+        (dict(entropy_coef=float("inf")), "entropy_coef must be a finite number"),
+        (dict(epsilon=float("nan")), "epsilon must be a finite number"),
+        (dict(epsilon_high=1e39), "epsilon_high must be a finite number (as float32, the precision of the loss)"),
     ],
 )
 def test_refused_at_construction(tmp_path, options, names):
@@ -371,6 +376,16 @@ def test_refused_at_construction(tmp_path, options, names):
         LoptiGRPOConfig(**settings(tmp_path, **options))
     message = str(info.value)
     assert names in message and "\n" not in message
+
+
+def test_a_backend_that_cannot_run_on_the_trainers_device_is_refused_with_the_config(tmp_path, monkeypatch):
+    """(Before: accepted, then a RuntimeError at the first training step, after the model load and a generation.)"""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError) as info:
+        LoptiGRPOConfig(**settings(tmp_path, loss_backend="triton"))
+    assert str(info.value) == ("loss_backend='triton' needs a CUDA device, or TRITON_INTERPRET=1 in the environment "
+                               "to run on cpu (slow); use loss_backend='auto'")  # fmt: skip
+    LoptiGRPOConfig(**settings(tmp_path, loss_backend="triton", fused_loss=False))  # TRL's loss: no kernel runs
 
 
 def test_off_with_trl_loss_accepts_what_trl_accepts(tmp_path):

@@ -9,10 +9,13 @@ else TRL's own loss with AR's weights and the Lopti phase); :func:`refusals` lis
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from trl import GRPOConfig
 
 from openrlhf_lopti.algo import LoptiSettings, check_alpha, check_lopti_args, lopti_on, lopti_settings
+from openrlhf_lopti.algo.option_checks import in_float32, number_option
 from openrlhf_lopti.ops import BACKENDS, clip_range_supported
+from openrlhf_lopti.ops.fused_policy_loss import backend_cannot_run
 
 from . import cpu_colocate
 
@@ -91,6 +94,15 @@ class LoptiGRPOConfig(GRPOConfig):
         self.lopti_settings  # noqa: B018 - raises on algo's rule: the two thresholds together are refused
         if self.loss_backend not in BACKENDS:
             raise ValueError(f"loss_backend must be one of {BACKENDS}, got {self.loss_backend!r}")
+        device_type = "cpu" if self.use_cpu or not torch.cuda.is_available() else "cuda"  # the trainer's device
+        problem = backend_cannot_run(self.loss_backend, device_type)  # else found after the model and a generation
+        if self.fused_loss and problem:
+            raise ValueError(f"loss_backend={self.loss_backend!r} {problem}; use loss_backend='auto'")
+        # TRL takes NaN / inf here and trains the weights to NaN with a logged loss of 0 (TRL's NaN filter)
+        for name in ("beta", "entropy_coef", "epsilon", "epsilon_high"):
+            value = getattr(self, name)
+            if value is not None and not in_float32(number_option(name, value)):
+                raise ValueError(f"{name} must be a finite number (as float32, the precision of the loss), got {value!r}")
         problems = refusals(self) + cpu_colocate.refusals(self)
         if problems:
             raise ValueError(problems[0])

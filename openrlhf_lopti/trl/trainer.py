@@ -255,7 +255,9 @@ class LoptiGRPOTrainer(GRPOTrainer):
 
     def _round_settings(self) -> dict:
         """The settings that give a saved round its meaning: how its generation batch is split into micro-steps and
-        optimizer steps, over how many processes, and how its phases were decided."""
+        optimizer steps, over how many processes, how its phases were decided, and what its batch holds: the old
+        log-probs' temperature, the reference log-probs (``beta``) and vLLM's importance-sampling ratios (before, a
+        resume with another ``beta`` or ``use_vllm`` ended in a KeyError, another temperature trained on)."""
         args = self.args
         return {
             "steps_per_generation": args.steps_per_generation, "num_iterations": self.num_iterations,
@@ -263,18 +265,24 @@ class LoptiGRPOTrainer(GRPOTrainer):
             "per_device_train_batch_size": args.per_device_train_batch_size, "num_generations": self.num_generations,
             "num_processes": self.accelerator.num_processes,
             "lopti_eta": args.lopti_eta, "lopti_quantile": args.lopti_quantile, "lopti_order": args.lopti_order,
+            "temperature": args.temperature, "beta": args.beta, "use_vllm": args.use_vllm,
+            "vllm_importance_sampling_correction": args.vllm_importance_sampling_correction,
         }  # fmt: skip
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint; cut mid-round, also each process's round (its generation batch, phase masks and the
         round's LR start, with the settings they mean something under), written first: TRL's checkpoint may push
         the folder to the Hub (``_push_from_checkpoint``) before it returns."""
-        if self.args.lopti and self._round_position() != 0 and self._buffered_inputs is not None:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            os.makedirs(folder, exist_ok=True)
-            round_state = {"buffered_inputs": self._buffered_inputs, "schedule": self._round_schedule.state_dict(),
-                           "settings": self._round_settings()}  # fmt: skip
-            torch.save(round_state, self._round_file(folder))
+        if self.args.lopti:
+            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder = os.path.join(self._get_output_dir(trial=trial), name)
+            if self._round_position() != 0 and self._buffered_inputs is not None:
+                os.makedirs(folder, exist_ok=True)
+                round_state = {"buffered_inputs": self._buffered_inputs, "schedule": self._round_schedule.state_dict(),
+                               "settings": self._round_settings()}  # fmt: skip
+                torch.save(round_state, self._round_file(folder))
+            elif os.path.exists(self._round_file(folder)):  # an earlier run's, in a reused output_dir: not this one's
+                os.remove(self._round_file(folder))
         super()._save_checkpoint(model, trial)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -311,10 +319,12 @@ class LoptiGRPOTrainer(GRPOTrainer):
         path = self._round_file(checkpoint)
         device = self.accelerator.device  # "cpu:0" in a multi-process CPU run, which torch.load cannot map to
         device = "cpu" if device.type == "cpu" else device
-        state = torch.load(path, map_location=device, weights_only=False) if os.path.exists(path) else None
+        position = self._round_position()
+        # at a round's end a round file is another run's (an output_dir reused): this checkpoint carries no round
+        here = os.path.exists(path) and position != 0
+        state = torch.load(path, map_location=device, weights_only=False) if here else None
         problem = None if state is None else _settings_problem(state.get("settings"), self._round_settings())
         found = self._gather_objects((state is not None, problem))
-        position = self._round_position()
         have = [r for r, (exists, _) in enumerate(found) if exists]
         where = f"resume_from_checkpoint: {checkpoint}"
         problems = [p for _, p in found if p is not None]
@@ -822,7 +832,7 @@ def _settings_problem(saved: Optional[dict], now: dict) -> Optional[str]:
     if saved is None:
         return "was saved without the settings it was made under (an older openrlhf-lopti)"
     for key, value in now.items():
-        if saved.get(key) != value:
+        if key in saved and saved[key] != value:  # a key an older version did not record is not compared
             return f"was saved with {key}={saved.get(key)!r}, this run has {key}={value!r}"
     return None
 
