@@ -82,6 +82,7 @@ class LoptiPolicyLossConfig(PolicyLossConfig):
         if self.loss_mode == "ar":
             check_plugin(f"{POLICY_LOSS_KEY}.loss_mode=ar", "ar")
         if self.lopti is not None:
+            check_loss_mode(self.loss_mode)  # here, the driver's config check: else in a worker, after Ray and vLLM
             check_plugin(f"Lopti ({POLICY_LOSS_KEY}.lopti_eta / lopti_quantile)", "lopti")
             check_lopti_worker()
 
@@ -165,7 +166,11 @@ def check_lopti_actor(actor_config, loss_is_ppo: bool = True) -> None:
             f"{KEY}.loss_agg_mode: Lopti's two phases add up to one pass only for {', '.join(LOPTI_AGG_MODES)} "
             f"(a sum over tokens divided by a count that does not depend on the phase), got {mode!r}"
         )
-    loss_mode = actor_config.policy_loss.get("loss_mode", "vanilla")
+    check_loss_mode(actor_config.policy_loss.get("loss_mode", "vanilla"))
+
+
+def check_loss_mode(loss_mode: str) -> None:
+    """Raise :class:`ConfigError` (one line naming the key) for a verl loss mode Lopti cannot split into phases."""
     if loss_mode not in LOPTI_LOSS_MODES:
         raise ConfigError(
             f"{POLICY_LOSS_KEY}.loss_mode: Lopti runs with {' or '.join(LOPTI_LOSS_MODES)} (per-token clipped "

@@ -38,6 +38,9 @@ def main_ppo_overrides(ngpus: int = 1, num_cpus: Optional[int] = None, temp_dir:
     # reward workers and each resource-pool bundle (max_colocate_count CPUs per rank, single_controller/ray/base.py:
     # 205) take one or more; too few and a placement group waits forever
     cpus = num_cpus if num_cpus is not None else 8 + 4 * ngpus
+    if cpus < 1:  # Ray would start, and the first placement group wait forever
+        raise ValueError(f"num_cpus: Ray's CPU slots must be >= 1 (the default for {ngpus} ranks: {8 + 4 * ngpus}), "
+                         f"got {cpus}")  # fmt: skip
     ray = "ray_kwargs.ray_init"
     out = list(CPU_OVERRIDES) + [
         "trainer.device=cpu",

@@ -84,6 +84,8 @@ def convert(src: Path, out: Path, overwrite: bool = False) -> List[Path]:
     absent = [str(path) for path in inputs if not path.is_file()]
     if absent:
         raise UserError(f"{', '.join(absent)} not found: write them with `python -m openrlhf_lopti data kk --out {src}`")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: is a file; --out takes a folder (train.parquet and test.parquet go there)")
     outputs = [out / f"{split}.parquet" for split in SPLITS]
     existing = [str(path) for path in outputs if path.exists()]
     if existing and not overwrite:
@@ -95,10 +97,13 @@ def convert(src: Path, out: Path, overwrite: bool = False) -> List[Path]:
             raise UserError(f"{path} has no prompts: verl cannot load an empty dataset; write at least one (data kk "
                             f"--{split}-per-n 1)")  # fmt: skip
         rows[split] = [verl_row(r, split, i, where[i]) for i, r in enumerate(records)]
-    out.mkdir(parents=True, exist_ok=True)
-    for split, path in zip(SPLITS, outputs):
-        pd.DataFrame(rows[split]).to_parquet(path, index=False)
-        print(f"{split}: {len(rows[split])} prompts -> {path}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for split, path in zip(SPLITS, outputs):
+            pd.DataFrame(rows[split]).to_parquet(path, index=False)
+            print(f"{split}: {len(rows[split])} prompts -> {path}")
+    except OSError as e:  # a folder on the way that is a file, no permission, a full disk
+        raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     return outputs
 
 

@@ -48,6 +48,8 @@ def our_line(exc: BaseException) -> str:
         # the ablation's order with no threshold ran plain GRPO without a word (the rule is algo.lopti_settings')
         (dict(order="high_first"), "lopti_order", "=high_first orders Lopti's phases, but Lopti is off"),
         (dict(alpha=0.3, loss_mode="vanilla"), "ar_alpha", "set loss_mode=ar"),
+        # with the config (the driver's check): before, in the actor worker's init_model, after Ray, vLLM, the model
+        (dict(eta=0.5, loss_mode="gspo"), "loss_mode", "Lopti runs with vanilla or ar (per-token clipped"),
         (dict(alpha=True), "ar_alpha", "got True"),  # not 1.0
         (dict(eta=True), "lopti_eta", "got True"),
     ],

@@ -34,6 +34,16 @@ def test_a_users_worker_niceness_is_kept(monkeypatch):
     assert "++ray_kwargs.ray_init._system_config.worker_niceness=7" in main_ppo_overrides(ngpus=1)
 
 
+def test_too_few_ray_cpus_are_refused_not_a_wait_forever():
+    """(Before: ``--num-cpus 0`` printed ``num_cpus=0``, whose first placement group would wait forever.)"""
+    import pytest
+
+    for cpus in (0, -3):
+        with pytest.raises(ValueError, match=rf"^num_cpus: Ray's CPU slots must be >= 1 \(the default for 1 ranks: 12\), "
+                                             rf"got {cpus}$"):  # fmt: skip
+            main_ppo_overrides(ngpus=1, num_cpus=cpus)
+
+
 IMPORT_ORDER = """
 import sys
 from openrlhf_lopti.vllm_cpu import keep_weights_when_packing_on_import

@@ -83,6 +83,24 @@ GOOD_ROW = {"prompt": [{"role": "user", "content": "hi"}], "label": "(1) A is a 
             "datasource": "kk_2ppl"}  # fmt: skip
 
 
+def test_the_converter_refuses_an_out_that_is_a_file_in_one_line(tmp_path, capsys):
+    """(Before: a FileExistsError traceback.)"""
+    import json
+
+    from openrlhf_lopti.verl.data import main
+
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text(json.dumps(GOOD_ROW) + "\n")
+    out = tmp_path / "train.jsonl"
+    assert main([str(tmp_path), "--out", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"openrlhf_lopti.verl.data: error: --out {out}: is a file; --out takes a folder (train.parquet and "
+                   "test.parquet go there)\n")  # fmt: skip
+    assert main([str(tmp_path), "--out", str(out / "sub")]) == 2  # a folder on the way that is a file
+    assert capsys.readouterr().err.startswith(f"openrlhf_lopti.verl.data: error: --out {out / 'sub'}: cannot write ")
+    assert not list(tmp_path.glob("*.parquet"))
+
+
 @pytest.mark.parametrize(
     "train, test, error",
     [
