@@ -367,8 +367,9 @@ def test_kk_run_checkpoint_and_metrics(tmp_path, tok):
         # TRL trains these to NaN weights with a logged loss of 0 (AR and Lopti off too)
         (dict(beta=float("nan")), "beta must be a finite number (as float32, the precision of the loss), got nan"),
         (dict(entropy_coef=float("inf")), "entropy_coef must be a finite number"),
-        (dict(epsilon=float("nan")), "epsilon must be a finite number"),
-        (dict(epsilon_high=1e39), "epsilon_high must be a finite number (as float32, the precision of the loss)"),
+        (dict(beta=1e39), "beta must be a finite number (as float32, the precision of the loss), got 1e+39"),
+        (dict(epsilon=float("nan")), "epsilon must be a number (inf: no clip on that side), got nan"),
+        (dict(epsilon_high=float("nan")), "epsilon_high must be a number (inf: no clip on that side), got nan"),
     ],
 )
 def test_refused_at_construction(tmp_path, options, names):

@@ -6,6 +6,7 @@ else TRL's own loss with AR's weights and the Lopti phase); :func:`refusals` lis
 ``LoptiGRPOTrainer`` refuses; the trainer runs both again with what only it knows (the model, the processes).
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -98,11 +99,16 @@ class LoptiGRPOConfig(GRPOConfig):
         problem = backend_cannot_run(self.loss_backend, device_type)  # else found after the model and a generation
         if self.fused_loss and problem:
             raise ValueError(f"loss_backend={self.loss_backend!r} {problem}; use loss_backend='auto'")
-        # TRL takes NaN / inf here and trains the weights to NaN with a logged loss of 0 (TRL's NaN filter)
-        for name in ("beta", "entropy_coef", "epsilon", "epsilon_high"):
+        # TRL takes NaN / inf here and trains the weights to NaN with a logged loss of 0 (TRL's NaN filter); an
+        # infinite clip range is TRL's "no clip" (TRL's loss runs it), NaN is nothing
+        for name in ("beta", "entropy_coef"):
             value = getattr(self, name)
-            if value is not None and not in_float32(number_option(name, value)):
+            if not in_float32(number_option(name, value)):
                 raise ValueError(f"{name} must be a finite number (as float32, the precision of the loss), got {value!r}")
+        for name in ("epsilon", "epsilon_high"):
+            value = getattr(self, name)
+            if value is not None and math.isnan(number_option(name, value)):
+                raise ValueError(f"{name} must be a number (inf: no clip on that side), got nan")
         problems = refusals(self) + cpu_colocate.refusals(self)
         if problems:
             raise ValueError(problems[0])
