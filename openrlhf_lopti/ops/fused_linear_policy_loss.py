@@ -72,7 +72,7 @@ def _check_linear_inputs(hidden, weight, bias, chunk_size, vocab_block, backend:
         raise ValueError(f"hidden must be a [N, H] tensor, got shape {getattr(hidden, 'shape', type(hidden))}")
     if hidden.dtype not in LOGITS_DTYPES:
         raise ValueError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
-    problem = backend_cannot_run(backend, hidden.device.type)
+    problem = backend_cannot_run(backend, hidden.device.type, installed_here=False)  # a missing package: ImportError
     if problem:
         raise ValueError(f"backend={backend!r} {problem}; use backend='auto'")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:

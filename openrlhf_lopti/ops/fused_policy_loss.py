@@ -48,7 +48,8 @@ def _check_inputs(
     n, v = logits.shape
     if v == 0:
         raise ValueError("logits must have a non-empty vocab dimension V")
-    problem = backend_cannot_run(backend, logits.device.type)  # else an error from inside the backend
+    # the device only: a package missing stays the backend's ImportError (what `bench` reports as "not installed")
+    problem = backend_cannot_run(backend, logits.device.type, installed_here=False)
     if problem:
         raise ValueError(f"backend={backend!r} {problem}; use backend='auto'")
     _check_row_inputs(
