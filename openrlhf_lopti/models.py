@@ -3,8 +3,10 @@
 Only torch is imported; the model is any Hugging Face causal LM (``get_output_embeddings``, ``config``).
 """
 
+import json
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -37,14 +39,39 @@ def lm_head_parts(model, flag: str = "--fused-lm-head") -> tuple:
     if not isinstance(head, torch.nn.Linear):
         raise ValueError(f"{flag} needs a torch.nn.Linear output layer, got {type(head).__name__}")
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    _check_no_logit_transform(config, flag)
+    return head.weight, head.bias
+
+
+def _check_no_logit_transform(config: Any, flag: str) -> None:
+    """Raise ``ValueError`` naming ``flag`` if ``config`` (a model's config, or its config.json as a dict) transforms
+    the logits outside the output layer."""
     for name, neutral in _LOGIT_TRANSFORMS.items():
-        value = getattr(config, name, None)
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
         if value is not None and value != neutral:
             raise ValueError(
                 f"{flag} does not support models that transform their logits ({name}={value!r}); "
                 f"run without {flag}"
             )
-    return head.weight, head.bias
+
+
+def check_saved_model_fusable(path: str, flag: str) -> None:
+    """Raise :func:`lm_head_parts`'s ``ValueError`` before any model is loaded, when ``path`` is a local folder whose
+    config.json (its ``text_config``, for a multimodal model) names a logit transform.
+
+    Why: a launcher's parse-time check, so that a run that cannot fuse stops before minutes of start-up. A hub id, or
+    a folder without a readable config.json, is left to :func:`lm_head_parts` once the model is loaded; nothing of the
+    model's own code is run.
+    """
+    if not path:  # no model named (upstream's own checks say so); Path("") would read the working folder's file
+        return
+    try:
+        saved = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):  # not a local model folder, or a file transformers' own load will report
+        return
+    if isinstance(saved, dict):
+        text = saved.get("text_config")
+        _check_no_logit_transform(text if isinstance(text, dict) else saved, flag)
 
 
 @contextmanager

@@ -243,3 +243,24 @@ def test_example_scripts_take_cpu_model_and_shrink_flags(script, tmp_path):
     args = cli.parse_args(argv)
     assert args.cpu and args.actor.model_name_or_path == "/models/tiny" and args.rollout.max_new_tokens == 16
     assert not args.ds.packing_samples  # flash-attn only: left out on CPU
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["text-model", "multimodal"])
+def test_fused_lm_head_on_a_local_model_that_transforms_its_logits_fails_at_parse_time(nested, tmp_path, capsys):
+    """A Gemma-2-style soft cap in a local model's config.json (or its ``text_config``) is refused before any Ray or
+    model start-up; the trainer's own check (test_openrlhf_trainer) would find it only minutes later."""
+    import json
+
+    fields = {"final_logit_softcapping": 30.0}
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": fields} if nested else fields))
+    argv = ["--actor.model_name_or_path", str(tmp_path), "--reward.remote_url", "reward.py", "--actor.fused_lm_head"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert (
+        "--actor.fused_lm_head does not support models that transform their logits (final_logit_softcapping=30.0); "
+        "run without --actor.fused_lm_head"
+    ) in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"final_logit_softcapping": None}))  # Gemma 1: no cap
+    assert lopti_config(cli.parse_args(argv)).fused_lm_head
+    assert lopti_config(cli.parse_args(BASE + ["--actor.fused_lm_head"])).fused_lm_head  # a hub id: checked at load

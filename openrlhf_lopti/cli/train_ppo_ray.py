@@ -31,6 +31,7 @@ from types import CodeType, SimpleNamespace
 from typing import Callable, Optional
 
 from openrlhf_lopti.install import pip_install
+from openrlhf_lopti.models import check_saved_model_fusable
 from openrlhf_lopti.openrlhf.flags import add_lopti_flags, check_config
 from openrlhf_lopti.ops.fused_policy_loss import backend_cannot_run
 
@@ -144,6 +145,8 @@ def parse_args(
     flat_args = parser.parse_args(argv)
     try:
         check_config(flat_args)
+        if getattr(flat_args, "actor.fused_lm_head"):  # a local model's config.json, else at the trainer's start-up
+            check_saved_model_fusable(getattr(flat_args, "actor.model_name_or_path", None), "--actor.fused_lm_head")
     except ValueError as exc:
         parser.error(str(exc))
     backend = getattr(flat_args, "actor.fused_loss")
