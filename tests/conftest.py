@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 
 # Ray's metrics exporter outlives ray.shutdown(): a process that started Ray keeps a thread per session that tries to
 # reach the (gone) metrics agent every 10 s (its driver log: "Failed to export metrics to the metrics agent"). The
-# pytest process starts and stops Ray 8 times (the pipeline tests' drivers, the vLLM engine fixture), and the one
+# pytest process starts and stops Ray several times (the pipeline tests' drivers, the vLLM engine fixture), and the one
 # unexplained crash of the suite (a segmentation fault, no Python traceback, at a Triton-interpreter test after
 # them) came while 7 such threads were firing. Tests do not read Ray's metrics; with collection off no thread
 # is left (checked: 2 sessions, then 25 s, 2 failed exports by default, 0 with it off). A user's value is kept.
