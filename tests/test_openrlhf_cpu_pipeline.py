@@ -169,8 +169,8 @@ def tiny_kk(tmp_path: Path, train_per_n: int) -> dict:
 
 
 # Upstream's TIS (its --algo.advantage.is_correction_* help): the token ratio clipped. seq-mask-TIS and ICEPOP ran
-# here too until CI time ran short: on these fp32 runs every ratio is 1 to 1e-6, so they masked nothing and took
-# TIS's path to upstream's PolicyLoss. Lopti's sequence gate is tested where ratios can leave the band: planted on
+# here too until CI time ran short: on these fp32 runs every ratio is within 1e-3 of 1 (the first token's excess,
+# below), so they masked nothing and took TIS's path to upstream's PolicyLoss. Lopti's sequence gate is tested where ratios can leave the band: planted on
 # upstream's own experiences and PolicyLoss in test_openrlhf_trainer.py
 # (test_lopti_keeps_upstreams_sequence_gate_on_the_whole_response).
 TIS = ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip"]
