@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,8 @@ def launch(inputs, method: str, *overrides: str, timeout: float = RUN_TIMEOUT, b
             shutil.rmtree(ray_tmp, ignore_errors=True)
         if proc.returncode == 0 or RAY_NODE_TIMEOUT not in proc.stdout + proc.stderr:
             break
-        print(f"main_ppo: Ray's node did not start within its 30 s (try {attempt} of {RAY_START_TRIES})")
+        # a warning, not a print: pytest lists it in the run's summary, so a retry that saved a run is on record
+        warnings.warn(f"main_ppo: Ray's node did not start within its 30 s (try {attempt} of {RAY_START_TRIES})")
     return proc
 
 
