@@ -294,7 +294,7 @@ def warmup_job(out: Path, seed: int) -> int:
     """Body of the internal ``--warmup-job SEED``: warm up seed ``seed``'s model, measure its held-out accuracy."""
     import torch
 
-    from openrlhf_lopti.local.evaluation import greedy_eval
+    from openrlhf_lopti.local.evaluation import kk_eval
     from openrlhf_lopti.local.model import load_model, quiet_transformers
     from openrlhf_lopti.local.task import eval_puzzles, prompt_for
     from openrlhf_lopti.demo.warmup import build_warm_model
@@ -311,9 +311,7 @@ def warmup_job(out: Path, seed: int) -> int:
     model, tokenizer, style = load_model(path)
     records = eval_puzzles(setting["eval_prompts"], setting["people"])
     prompts = [prompt_for(r, style, tokenizer) for r in records]
-    facts["eval_accuracy"] = greedy_eval(model, tokenizer, records, prompts, max_new_tokens(setting["people"]))[
-        "accuracy"
-    ]
+    facts["eval_accuracy"] = kk_eval(model, tokenizer, records, prompts, max_new_tokens(setting["people"]))["accuracy"]
     (path / WARMUP_DONE_FILE).write_text(json.dumps(facts, indent=2) + "\n")
     return 0
 

@@ -22,7 +22,7 @@ import torch
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
 from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig, method_list, method_settings
-from openrlhf_lopti.local.evaluation import greedy_eval
+from openrlhf_lopti.local.evaluation import kk_eval
 from openrlhf_lopti.local.model import load_model, quiet_transformers
 from openrlhf_lopti.local.plots import plot_runs
 from openrlhf_lopti.local.task import eval_puzzles, prompt_for
@@ -212,7 +212,7 @@ def _run_demo(args: argparse.Namespace, methods: list) -> int:
         if args.eval_prompts:
             records = eval_puzzles(args.eval_prompts, DEMO_PEOPLE)
             prompts = [prompt_for(r, style, tokenizer) for r in records]
-            baseline.update(greedy_eval(model, tokenizer, records, prompts, MAX_NEW_TOKENS))
+            baseline.update(kk_eval(model, tokenizer, records, prompts, MAX_NEW_TOKENS))
         facts["baseline"] = baseline
         facts["settings"] = settings
         facts_path.write_text(json.dumps(facts, indent=2) + "\n")

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from openrlhf_lopti.local.evaluation import greedy_eval
+from openrlhf_lopti.local.evaluation import kk_eval
 from openrlhf_lopti.local.model import save_model
 from openrlhf_lopti.local.task import VALID_SEED_BASE, WARMUP_SEED_BASE, compact_prompt, compact_solution, puzzles
 
@@ -93,7 +93,7 @@ def supervised_warmup(
         bar.update(1)
         bar.set_postfix(loss=f"{result.losses[-1]:.3f}")
         if valid and result.steps % check_every == 0:
-            accuracy = greedy_eval(model, tokenizer, valid, valid_prompts, max_new_tokens=budget)["accuracy"]
+            accuracy = kk_eval(model, tokenizer, valid, valid_prompts, max_new_tokens=budget)["accuracy"]
             result.checks.append((result.steps, accuracy))
             model.train()
             if accuracy >= target_accuracy:

@@ -9,7 +9,7 @@ from .task import score
 
 
 @torch.no_grad()
-def greedy_eval(
+def kk_eval(
     model,
     tokenizer,
     records: list,

@@ -26,7 +26,7 @@ from .checkpoint import CHECKPOINT_FILE, load_checkpoint, optimizer_states, save
 from .config import TrainConfig, saved_settings
 from .dataset import PromptSet, epochs_done, load_prompt_set, step_indices
 from .experience import make_experience
-from .evaluation import greedy_eval, reward_eval
+from .evaluation import kk_eval, reward_eval
 from .model import load_model, save_model
 from .plots import plot_runs
 from .reward import RewardFile, check_once, queries_of
@@ -271,8 +271,8 @@ class LocalTrainer:
             records = eval_puzzles(cfg.eval_prompts, cfg.people)
             prompts = self.prompts(records)
             if self.reward is None:
-                return greedy_eval(self.policy, self.tokenizer, records, prompts, cfg.max_new_tokens,
-                                   n_samples=cfg.eval_n_samples, temperature=cfg.temperature)  # fmt: skip
+                return kk_eval(self.policy, self.tokenizer, records, prompts, cfg.max_new_tokens,
+                               n_samples=cfg.eval_n_samples, temperature=cfg.temperature)  # fmt: skip
             labels = [r["solution_text_format"] for r in records]
             sources = [f"kk_{len(r['names'])}ppl" for r in records]
         return reward_eval(self.policy, self.tokenizer, prompts, labels, sources, self.reward, cfg.max_new_tokens,
