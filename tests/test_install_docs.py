@@ -83,7 +83,7 @@ def test_torch_goes_first_and_stays(key):
         makefile = (REPO / "Makefile").read_text()
         assert f"TORCH_CPU := torch==2.13.0 --index-url {CPU_INDEX}" in makefile
         steps = re.findall(r"\$\(PIP\) install (.*)", makefile.split("$(VENV)/.installed:")[1].split("touch $@")[0])
-        assert steps[1] == "$(TORCH_CPU)" and all("$(CONSTRAINTS)" in s or "--no-deps" in s for s in steps[2:])
+        assert steps[1] == "--no-deps $(TORCH_CPU)" and all("$(CONSTRAINTS)" in s or "--no-deps" in s for s in steps[2:])
         return
     tools = {"pip", "setuptools", "wheel", "packaging", "psutil", "ninja"}
     first = next(i for i, args in enumerate(installs) if not set(a for a in args if not a.startswith("-")) <= tools)

@@ -313,11 +313,8 @@ def fused_linear_policy_loss(
     )  # fmt: skip
     _check_linear_inputs(hidden, weight, bias, chunk_size, vocab_block, settings.backend)
     n, v = hidden.shape[0], weight.shape[0]
-    _check_row_inputs(
-        n, v, hidden.device, "hidden [N, H]", labels, old_log_probs, advantages, mask, ref_log_probs,
-        settings.alpha, settings.eps_low, settings.eps_high, settings.dual_clip, settings.kl_coef,
-        settings.kl_estimator, settings.temperature,
-    )  # fmt: skip
+    _check_row_inputs(n, v, hidden.device, "hidden [N, H]", labels, old_log_probs, advantages, mask, ref_log_probs,
+                      settings)  # fmt: skip
     check_weights(n, hidden.device, loss_weights, entropy_weights, False)
     with_entropy = return_entropy or entropy_weights is not None
     index = mask.bool().nonzero().squeeze(1)  # the kept rows: one host sync, to size the blocks
@@ -381,10 +378,8 @@ def linear_log_probs(
     n, v = hidden.shape[0], weight.shape[0]
     keep = torch.ones(n, dtype=torch.bool, device=hidden.device) if mask is None else mask
     zeros = torch.zeros(n, dtype=torch.float32, device=hidden.device)  # the loss's inputs are unused here
-    _check_row_inputs(
-        n, v, hidden.device, "hidden [N, H]", labels, zeros, zeros, keep, None,
-        0.0, 0.2, 0.2, None, 0.0, "k3", temperature,
-    )  # fmt: skip
+    _check_row_inputs(n, v, hidden.device, "hidden [N, H]", labels, zeros, zeros, keep, None,
+                      LossOptions(temperature=temperature))  # fmt: skip
     index = keep.bool().nonzero().squeeze(1)
     plan, _ = _plan(index.numel(), weight, backend, chunk_size, vocab_block, temperature, return_entropy)
     with torch.no_grad():

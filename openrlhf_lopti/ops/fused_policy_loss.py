@@ -30,15 +30,9 @@ def _check_inputs(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     ref_log_probs: Optional[torch.Tensor],
-    alpha: float,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: Optional[float],
-    kl_coef: float,
-    kl_estimator: str,
-    temperature: float,
-    backend: str,
+    settings: LossOptions,
 ) -> None:
+    backend = settings.backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
@@ -52,10 +46,8 @@ def _check_inputs(
     problem = backend_cannot_run(backend, logits.device.type, installed_here=False)
     if problem:
         raise ValueError(f"backend={backend!r} {problem}; use backend='auto'")
-    _check_row_inputs(
-        n, v, logits.device, "logits [N, V]", labels, old_log_probs, advantages, mask, ref_log_probs,
-        alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature,
-    )  # fmt: skip
+    _check_row_inputs(n, v, logits.device, "logits [N, V]", labels, old_log_probs, advantages, mask, ref_log_probs,
+                      settings)  # fmt: skip
 
 
 def _check_row_inputs(
@@ -68,15 +60,10 @@ def _check_row_inputs(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     ref_log_probs: Optional[torch.Tensor],
-    alpha: float,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: Optional[float],
-    kl_coef: float,
-    kl_estimator: str,
-    temperature: float,
+    settings: LossOptions,
 ) -> None:
-    """The checks of every per-token input and option, for ``N`` rows over a vocab of ``V`` on ``device``.
+    """The checks of every per-token input and option (``settings`` but its backend), for ``N`` rows over a vocab of
+    ``V`` on ``device``.
 
     ``rows_from`` names the tensor that fixes ``N`` and the device in the messages (``"logits [N, V]"``,
     or ``"hidden [N, H]"`` for the fused lm_head).
@@ -100,8 +87,9 @@ def _check_row_inputs(
     if mask.dtype.is_complex:
         raise ValueError(f"mask must be bool or 0/1, got {mask.dtype}")
 
-    check_options(alpha, eps_low, eps_high, dual_clip, kl_coef, kl_estimator, temperature)
-    if float(kl_coef) != 0 and ref_log_probs is None:
+    check_options(settings.alpha, settings.eps_low, settings.eps_high, settings.dual_clip, settings.kl_coef,
+                  settings.kl_estimator, settings.temperature)  # fmt: skip
+    if float(settings.kl_coef) != 0 and ref_log_probs is None:
         raise ValueError("ref_log_probs is required when kl_coef != 0")
 
     # The values (ids in range, finite floats, finite log-sum-exp per row) are checked by each backend as status
@@ -272,11 +260,7 @@ def fused_policy_loss(
         options, alpha=alpha, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, kl_coef=kl_coef,
         kl_estimator=kl_estimator, temperature=temperature, backend=backend, check=check,
     )  # fmt: skip
-    _check_inputs(
-        logits, labels, old_log_probs, advantages, mask, ref_log_probs, settings.alpha, settings.eps_low,
-        settings.eps_high, settings.dual_clip, settings.kl_coef, settings.kl_estimator, settings.temperature,
-        settings.backend,
-    )  # fmt: skip
+    _check_inputs(logits, labels, old_log_probs, advantages, mask, ref_log_probs, settings)
     check_weights(logits.shape[0], logits.device, loss_weights, entropy_weights, grad_in_logits)
     chosen = resolve_backend(settings.backend, logits)
     if chosen == "triton":

@@ -632,7 +632,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
             # waiting in their next collective)
             at_once = StepChecks()
             at_once.add(kernel_out.status, f"evaluation at optimizer step {self.state.global_step}")
-            at_once.raise_if_bad(any_rank=_max_over_processes)
+            at_once.raise_if_bad(any_rank=self._max_over_processes)
         out = layout.on_rows(kernel_out)  # [N] per-token fields on the trained tokens, in rows' order
         if old is None:  # TRL's per_token_logps.detach(): the ratio's anchor, for the metrics below
             old = out.logp.detach().new_zeros(b, t).masked_scatter(rows, out.logp.detach())
@@ -713,7 +713,16 @@ class LoptiGRPOTrainer(GRPOTrainer):
         """Raise, before the optimizer step and on every process, if a fused call since the last step found a bad
         row (a NaN / +inf logit, a non-finite advantage or log-prob): one 4-byte read and, on several processes,
         one all-reduce per optimizer step."""
-        self._value_checks.raise_if_bad(any_rank=_max_over_processes)
+        self._value_checks.raise_if_bad(any_rank=self._max_over_processes)
+
+    def _max_over_processes(self, word: torch.Tensor) -> torch.Tensor:
+        """``[1]`` int32 ``word`` (a value-check status word) made the max over every process, when there are several,
+        on the accelerator's device: NCCL reduces CUDA tensors only, and a ledger with no call since the last step
+        (no fused call on this process) holds a CPU word."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            word = word.to(self.accelerator.device)
+            torch.distributed.all_reduce(word, op=torch.distributed.ReduceOp.MAX)
+        return word
 
     def _micro_step_name(self, inputs: dict) -> str:
         """Where a fused call is, for an error message: the optimizer step, the Lopti phase, the micro-step."""
@@ -753,13 +762,6 @@ class LoptiGRPOTrainer(GRPOTrainer):
             name = PHASE_NAMES[self.args.lopti_order][inputs["lopti_phase"]]
             self._metrics[mode][f"lopti/{name}/policy_loss"].append(self.accelerator.gather(policy_loss).mean().item())
             self._metrics[mode][f"lopti/{name}/clip_ratio"].append(global_mean(out.clipped.float()))
-
-
-def _max_over_processes(word: torch.Tensor) -> torch.Tensor:
-    """``word`` (a value-check status word) made the max over every process, when there are several."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(word, op=torch.distributed.ReduceOp.MAX)
-    return word
 
 
 def _own_log_probs(loss_head, inputs: tuple, per_token: list, options: dict) -> torch.Tensor:
