@@ -77,7 +77,7 @@ test-main: export OMP_WAIT_POLICY ?= PASSIVE
 test-main: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 	@echo "== the tests whose tolerances depend on rounding, again under another CPU dispatch: $(ALT_DISPATCH)"
-	$(ALT_DISPATCH) $(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m rounding --durations=10 $(NUMERICS_TESTS)
+	$(ALT_DISPATCH) $(BIN)/python -m pytest -q -p no:cacheprovider -m rounding --durations=10 $(NUMERICS_TESTS)
 
 bench: install
 	$(BIN)/python benchmarks/bench_policy_loss.py
