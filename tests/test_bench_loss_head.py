@@ -106,6 +106,51 @@ def test_every_row_that_ran_says_what_ran_peers_too(tmp_path):
     assert all(r["backend_ran"] == [r["backend"]] for r in rows), rows
 
 
+def test_a_step_policy_call_is_sync_free_its_checks_read_at_the_step(tmp_path):
+    """The ``syncs_free`` figure (goal: 0 host syncs per call, step policy) counts the loss call, forward and
+    backward, not the one read a trainer makes before its optimizer step. Before, the measured step ended in
+    ``raise_if_bad()`` (an ``.item()``): on a GPU both step-policy rows said HOST SYNC whatever the kernel did. On CPU
+    the host reads are counted as ATen ops (the Triton kernel runs under the interpreter, as conftest sets)."""
+    from openrlhf_lopti.cli import bench_loss_head
+
+    path = tmp_path / "bench.json"
+    argv = ["--device", "cpu", "--n", "16", "--v", "96", "--seq-len", "8", "--repeats", "1", "--warmup", "0",
+            "--backends", "triton,triton-step,triton-onepass", "--ar-alpha", "0", "--json", str(path)]  # fmt: skip
+    assert bench_loss_head.main(argv) == 0
+    rows = {r["backend"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["triton-step"]["syncs_free"] is True and rows["triton-onepass"]["syncs_free"] is True, rows
+    assert "syncs_free" not in rows["triton"]  # the eager policy reads its word in the call, by design
+    # the counter sees a host read where there is one: the same step with its checks read
+    cfg = bench_loss_head.Config(n=16, v=96, dtype=bench_loss_head.torch.float32, device="cpu", seq_len=8,
+                                 keep_fraction=1.0, alpha=0.0, ar_alpha=0.0, kl_coef=0.001, eps_low=0.2,
+                                 eps_high=0.28, temperature=1.0, seed=0)  # fmt: skip
+    data = bench_loss_head.make_inputs(cfg)
+    leaf = data["logits"].detach().requires_grad_(True)
+    with_read = bench_loss_head._step_ours(cfg, data, "triton-step", 0.0, [])
+    assert bench_loss_head.sync_free(with_read, leaf) is False
+
+
+def test_the_openrlhf_row_runs_without_ray_as_on_the_gpu_image(tmp_path):
+    """The GPU image has OpenRLHF's wheel but no Ray: gpu_steps registers the flash-attn stand-ins from their file,
+    and the openrlhf row must then run. Before, it imported ``openrlhf_lopti.openrlhf`` (which needs Ray) and the H100
+    session's row read "not installed (ray)"."""
+    path = tmp_path / "bench.json"
+    code = (
+        "import sys; sys.modules['ray'] = None\n"  # Ray not installed, as on the image
+        "from benchmarks import gpu_steps\n"
+        "print(gpu_steps.openrlhf_loss_status())\n"
+        "from openrlhf_lopti.cli import bench_loss_head\n"
+        f"sys.exit(bench_loss_head.main(['--device', 'cpu', '--n', '16', '--v', '96', '--seq-len', '8', '--repeats',"
+        f" '1', '--warmup', '0', '--backends', 'openrlhf', '--ar-alpha', '0', '--json', {str(path)!r}]))\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=600)
+    assert out.returncode == 0, out.stderr.strip().splitlines()[-1:]
+    assert "ok" in out.stdout.splitlines(), out.stdout  # openrlhf_loss_status(): DeepSpeed is real here
+    row = json.loads(path.read_text())["rows"][0]
+    assert (row["status"], row["backend_ran"]) == ("ok", ["openrlhf"]), row
+
+
 def _bench_fails(capsys, argv):
     """``openrlhf-lopti bench ARGV``: exit code 2 and one line on stderr, returned."""
     from openrlhf_lopti.__main__ import main as cli_main

@@ -19,8 +19,9 @@ Backends (``--backends``, comma-separated):
 
 Every row of ours records ``backend_ran``, the backend the op reports it ran (``LossHeadOutput.backend``), and a row
 whose backend differs from its label (``auto`` falling back, say) is refused: its status says so and the run exits
-1. On a GPU, ``syncs`` records whether one ``triton-step`` call (forward and backward) ran under
-``torch.cuda.set_sync_debug_mode("error")`` without a host sync.
+1. ``syncs_free`` records whether one ``triton-step`` / ``triton-onepass`` call (forward and backward, its checks
+left for the step) made no host sync: on a GPU under ``torch.cuda.set_sync_debug_mode("error")``, on CPU by the ATen
+ops it dispatched (none may read a device value on the host).
 
 Each row is one forward + backward of the token-mean loss w.r.t. the logits. Time: median of ``--repeats``
 runs after ``--warmup`` (``time.perf_counter``, with ``torch.cuda.synchronize`` on GPU). Peak memory: on
@@ -50,6 +51,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
 from openrlhf_lopti.algo import check_options
@@ -156,10 +158,13 @@ def peak_bandwidth(device_name: str) -> Optional[float]:
 
 # --------------------------------------------------------------------------------------------- backends
 def _openrlhf_functions() -> dict:
-    # On a CPU install openrlhf.models needs our flash-attn stand-ins to import (no-op on a GPU install).
-    from openrlhf_lopti.openrlhf.cpu.stubs import install_cpu_stubs
+    # On a CPU install openrlhf.models needs our flash-attn stand-ins to import (no-op on a GPU install). Not when a
+    # flash_attn module is loaded already: benchmarks/gpu_steps.py registers the stand-ins from their file on an
+    # image without Ray, where importing openrlhf_lopti.openrlhf (it needs Ray) would lose the row.
+    if "flash_attn" not in sys.modules:
+        from openrlhf_lopti.openrlhf.cpu.stubs import install_cpu_stubs
 
-    install_cpu_stubs()
+        install_cpu_stubs()
     from openrlhf.models.loss import PolicyLoss
     from openrlhf.models.utils import compute_approx_kl, log_probs_from_logits, masked_mean
 
@@ -195,8 +200,10 @@ def _step_openrlhf(cfg: Config, data: dict) -> Callable:
     return step
 
 
-def _step_ours(cfg: Config, data: dict, name: str, alpha: float, ran: list) -> Callable:
-    """One step of our variant ``name`` (``<backend>[-step|-onepass]``); appends the backend that ran to ``ran``."""
+def _step_ours(cfg: Config, data: dict, name: str, alpha: float, ran: list, read_checks: bool = True) -> Callable:
+    """One step of our variant ``name`` (``<backend>[-step|-onepass]``); appends the backend that ran to ``ran``.
+    ``read_checks=False``: a ``step``-policy variant leaves its value checks unread (the one host read a trainer
+    makes before its optimizer step, not part of the call whose syncs :func:`sync_free` counts)."""
     from openrlhf_lopti.ops import StepChecks, fused_policy_loss
 
     backend, _, variant = name.partition("-")
@@ -215,7 +222,7 @@ def _step_ours(cfg: Config, data: dict, name: str, alpha: float, ran: list) -> C
         checks.add(out.status, "the benchmark's step")
         loss = out.reduced if weights is not None else out.loss.sum() / tokens
         loss.backward()
-        if check == "step":
+        if check == "step" and read_checks:
             checks.raise_if_bad()  # what a trainer reads before its optimizer step
         ran.append(out.backend)
         return loss.detach()
@@ -223,12 +230,34 @@ def _step_ours(cfg: Config, data: dict, name: str, alpha: float, ran: list) -> C
     return step
 
 
-def sync_free(step: Callable, leaf: torch.Tensor) -> Optional[bool]:
-    """Whether one ``step`` (forward and backward) runs under ``torch.cuda.set_sync_debug_mode("error")``: True,
-    False (a host sync was made), or None off CUDA."""
-    if not leaf.is_cuda:
-        return None
+# ATen ops that copy a device value to the host (a sync on a GPU): .item() / int() / bool() / .tolist() reach
+# _local_scalar_dense; nonzero sizes its output from the data; equal and is_nonzero answer on the host.
+HOST_READS = frozenset({"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "item"})
+
+
+class _HostReads(TorchDispatchMode):
+    """The ATen ops dispatched inside it that read a device value on the host (:data:`HOST_READS`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in HOST_READS:
+            self.reads.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def sync_free(step: Callable, leaf: torch.Tensor) -> bool:
+    """Whether one ``step`` (forward and backward) makes no host sync. On CUDA: it runs under
+    ``torch.cuda.set_sync_debug_mode("error")`` (every sync the runtime makes raises). Elsewhere: no ATen op it
+    dispatches reads a device value on the host (:data:`HOST_READS`: what would sync on a GPU; a Triton kernel
+    launched under the interpreter is no ATen op and reads nothing)."""
     leaf.grad = None
+    if not leaf.is_cuda:
+        with _HostReads() as ops:
+            step(leaf)
+        return not ops.reads
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -354,8 +383,8 @@ def run_backend(name: str, cfg: Config, data: dict, args, alpha: float) -> dict:
             step = _step_ours(cfg, data, name, alpha, ran)
         median, best, loss = _time(step, leaf, cfg.device, args.warmup, args.repeats)
         peak, method = _measure_peak(step, leaf, cfg.device)
-        if name == "triton-step":
-            row["syncs_free"] = sync_free(_step_ours(cfg, data, name, alpha, []), leaf)
+        if name in ("triton-step", "triton-onepass"):  # the step policy: the call itself reads nothing
+            row["syncs_free"] = sync_free(_step_ours(cfg, data, name, alpha, [], read_checks=False), leaf)
     except ImportError as error:  # an installed package without that backend's extra (openrlhf, triton)
         return dict(row, status=f"not installed ({error.name or error})")
     except torch.cuda.OutOfMemoryError:
@@ -378,14 +407,39 @@ def run_backend(name: str, cfg: Config, data: dict, args, alpha: float) -> dict:
     return row
 
 
-def summarize(rows: list, cfg: Config, device_name: str, n_kept: int) -> dict:
-    """Bandwidth per row and the issue's goals (ratios against rows (a) and (d), AR overhead)."""
+def copy_bandwidth(device: str, gib: float = 4.0, repeats: int = 10) -> Optional[float]:
+    """Bytes/s a device-to-device copy of ``gib`` GiB moves (read + write counted), median of ``repeats`` after a
+    warm-up: the ceiling this GPU reaches in practice (an H200's datasheet says 4.8 TB/s, a copy moved ~4.3 here),
+    None off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * int(gib * 2**30) / statistics.median(times)
+
+
+def summarize(rows: list, cfg: Config, device_name: str, n_kept: int, copy_Bps: Optional[float] = None) -> dict:
+    """Bandwidth per row and the issue's goals (ratios against rows (a) and (d), AR overhead). The goals' shares
+    are of the datasheet's bandwidth (:data:`PEAK_BANDWIDTH`, as the issue states them); ``copy_Bps``
+    (:func:`copy_bandwidth`) adds each row's share of what a plain copy moved on this GPU."""
     needed = required_bytes(cfg, n_kept)
     peak_bw = peak_bandwidth(device_name) if cfg.device.startswith("cuda") else None
     for row in rows:
         if row["status"] == "ok":
             row["bandwidth_Bps"] = needed / row["time_s"]
             row["bandwidth_share"] = None if peak_bw is None else row["bandwidth_Bps"] / peak_bw
+            row["bandwidth_share_of_copy"] = None if copy_Bps is None else row["bandwidth_Bps"] / copy_Bps
     ok = {(r["backend"], r["alpha"]): r for r in rows if r["status"] == "ok"}
     base = ok.get(("openrlhf", cfg.alpha))
     ours = [ok[(name, cfg.alpha)] for name in ("triton", "triton-step", "triton-onepass") if (name, cfg.alpha) in ok]
@@ -415,6 +469,8 @@ def summarize(rows: list, cfg: Config, device_name: str, n_kept: int) -> dict:
         met = None if value is None else (value < target if key == "ar_cost_fraction" else value >= target)
         goals[key] = {"target": target, "measured": value, "met": met}
     return {"required_bytes": needed, "peak_bandwidth_Bps": peak_bw, "one_pass_floor_s": floor_s,
+            "copy_bandwidth_Bps": copy_Bps,
+            "one_pass_floor_at_copy_s": None if copy_Bps is None else required_bytes(cfg, n_kept, reads=1) / copy_Bps,
             "fastest_triton_variant": kernel["backend"] if kernel else None, "goals": goals}
 
 
@@ -440,6 +496,13 @@ def format_table(rows: list, summary: dict) -> str:
         floor = summary.get("one_pass_floor_s")
         lines.append(f"our fastest Triton row: {summary['fastest_triton_variant']}"
                      + (f"; the one-pass floor here: {1e3 * floor:.3f} ms" if floor else ""))  # fmt: skip
+    if summary.get("copy_bandwidth_Bps"):
+        fastest = next((r for r in rows if r["status"] == "ok" and r["backend"] == summary["fastest_triton_variant"]),
+                       None)  # fmt: skip
+        lines.append(f"a device-to-device copy moved {summary['copy_bandwidth_Bps'] / 1e9:.0f} GB/s; at that rate the "
+                     f"one-pass floor is {1e3 * summary['one_pass_floor_at_copy_s']:.3f} ms"
+                     + (f", our fastest row {100 * fastest['bandwidth_share_of_copy']:.1f}% of the copy's rate"
+                        if fastest else ""))  # fmt: skip
     for key, goal in summary["goals"].items():
         value = goal["measured"]
         shown = "n/a" if value is None else f"{value:.3f}"
@@ -575,7 +638,7 @@ def _run(argv: list, prog: str) -> int:
         if name in OURS and args.ar_alpha != cfg.alpha and args.ar_alpha > 0:
             rows.append(run_backend(name, cfg, data, args, args.ar_alpha))
         print(f"  {name}: {rows[-1]['status']}", flush=True)
-    summary = summarize(rows, cfg, device_name, n_kept)
+    summary = summarize(rows, cfg, device_name, n_kept, copy_bandwidth(args.device))
     print(format_table(rows, summary))
 
     try:
