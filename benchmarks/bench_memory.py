@@ -21,12 +21,16 @@ with gradients to the hidden states and the lm_head weight, through loss, KL (vi
 All three compute the same math (alpha = 0, k3 KL, clip-higher, temperature, all N tokens unmasked); the
 table prints each path's loss so that can be seen.
 
-Peak memory: each path in its own fresh process, one step after a warm-up step; the growth over what the
-inputs (hidden states, lm_head weight, per-token vectors) take, the returned gradients included (also shown
-without them): on CPU the process's peak RSS (Linux: reset through /proc/self/clear_refs, read as VmHWM), on
-GPU ``torch.cuda.max_memory_allocated``. Time: all paths in one process on the same inputs, a warm-up step
-each (which also compiles upstream's entropy), then ``--repeats`` rounds running every path once in a rotated
-order; the medians, and the time goal as the median of the per-round ratios (robust to a shared machine).
+Peak memory: one step after a warm-up step, per path; the growth over what the inputs (hidden states, lm_head
+weight, per-token vectors) take, the returned gradients included (also shown without them): on CPU the peak RSS of
+a fresh process per path (Linux: reset through /proc/self/clear_refs, read as VmHWM), on GPU
+``torch.cuda.max_memory_allocated``, reset per step, all paths in this process (exact per path; no process starts
+to pay for). Time: all paths in one process on the same inputs, a warm-up step each (which also compiles
+upstream's entropy), then ``--repeats`` rounds running every path once in a rotated order; the medians, and the
+time goals as the median of the per-round ratios (robust to a shared machine); on GPU also each path's train
+TFLOP/s against torch's own GEMM at the shape. A path that fails (a peer's API change, an OOM) is a row saying
+so; the others still run, and the JSON is rewritten after each path's memory step (``"complete": false`` until
+the end), so a run stopped by a time limit keeps what it measured.
 
     python benchmarks/bench_memory.py                  # CPU: N=2048, H=896, V=151936, fp32 (heavy: minutes)
     python benchmarks/bench_memory.py --device cuda    # GPU: N=16384, H=2048, bf16
@@ -37,6 +41,7 @@ It also prints the arithmetic bytes of each path's dominant buffers at N=32768, 
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -98,6 +103,7 @@ class Steps(NamedTuple):
     forward_only: Callable
     train: Callable
     ran: set
+    note: str = ""  # what the row's figures are, where not all the path's own (in the JSON and the table)
 
 
 def _openrlhf_steps(data: dict, options: dict) -> Steps:
@@ -214,7 +220,7 @@ def _liger_steps(data: dict, options: dict) -> Steps:
                           ref_per_token_logps=data["ref"][None], old_per_token_logps=data["old"][None])  # fmt: skip
         return loss
 
-    return Steps(forward_only, train, {"liger"})
+    return Steps(forward_only, train, {"liger"}, "forward-only passes: ours (Liger has none); compare train times")
 
 
 def _cce_steps(data: dict, options: dict) -> Steps:
@@ -307,17 +313,27 @@ def _step(data: dict, forward_only, train, device: str, peak: Optional["_Peak"] 
 
 
 def _memory_worker(path: str, options: dict, device: str, n: int, h: int, v: int, dtype_name: str) -> dict:
-    """A fresh process for one path: a warm-up step, then one step whose peak memory is measured."""
+    """One path: a warm-up step, then one step whose peak memory is measured (a fresh process on CPU). A failure
+    of any kind is the row's status ("not installed (...)", "failed: ..."): the other paths still run."""
     data = _setup(device, n, h, v, dtype_name)
     try:
         steps = STEPS[path](data, options)
         _step(data, steps.forward_only, steps.train, device)  # warm-up: dispatch, torch.compile of upstream's entropy
+        out = dict(path=path, status="ok", **_step(data, steps.forward_only, steps.train, device, _Peak(device)))
     except ImportError as error:
         return dict(path=path, status=f"not installed ({error.name or error})")
-    out = dict(path=path, status="ok", **_step(data, steps.forward_only, steps.train, device, _Peak(device)))
+    except Exception as error:  # noqa: BLE001 - a peer's API change or an OOM loses its row, not the others'
+        return dict(path=path, status=f"failed: {_first_line(error)}")
     out["peak_bytes"] = max(out["forward_only_peak_bytes"], out["train_peak_bytes"])
     out["backend_ran"] = sorted(steps.ran)
+    if steps.note:
+        out["note"] = steps.note
     return out
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
 def _time_worker(paths: list, options: dict, device: str, n: int, h: int, v: int, dtype_name: str,
@@ -325,22 +341,47 @@ def _time_worker(paths: list, options: dict, device: str, n: int, h: int, v: int
     """All paths in one process on the same inputs, interleaved: one warm-up step each, then ``repeats`` rounds
     that run every path once, in an order rotated each round, so a change of machine load hits all paths."""
     data = _setup(device, n, h, v, dtype_name)
-    steps = {path: STEPS[path](data, options) for path in paths}
+    steps, failed = {}, {}
     for path in paths:
-        _step(data, steps[path].forward_only, steps[path].train, device)
+        try:
+            steps[path] = STEPS[path](data, options)
+            _step(data, steps[path].forward_only, steps[path].train, device)
+        except Exception as error:  # noqa: BLE001 - timed without it; its row says why
+            steps.pop(path, None)
+            failed[path] = f"failed in the timing worker: {_first_line(error)}"
+    paths = [path for path in paths if path in steps]
     rounds = []
     for r in range(repeats):
         order = paths[r % len(paths) :] + paths[: r % len(paths)]
         rounds.append({path: _step(data, steps[path].forward_only, steps[path].train, device) for path in order})
         rounds[-1]["loadavg_1min"] = os.getloadavg()[0]  # other jobs on the machine, for the record
-    out = dict(rounds=rounds, threads=torch.get_num_threads(), backend_ran={p: sorted(s.ran) for p, s in steps.items()})
+    out = dict(rounds=rounds, threads=torch.get_num_threads(), backend_ran={p: sorted(s.ran) for p, s in steps.items()},
+               failed=failed)  # fmt: skip
     if device == "cpu":
         from openrlhf_lopti.ops.cpp_policy_loss import cpp_available, cpp_isa
 
         out["cpp_isa"] = cpp_isa() if cpp_available() else "unavailable (torch backend)"
     else:
         out["gpu"] = torch.cuda.get_device_name()
+        out["gemm_tflops"] = _gemm_tflops(data["hidden"].detach(), data["weight"].detach())
     return out
+
+
+def _gemm_tflops(hidden: torch.Tensor, weight: torch.Tensor, repeats: int = 5) -> float:
+    """TFLOP/s of torch's own ``hidden [N, H] @ weight.T [H, V]`` on this GPU at this shape and dtype (median of
+    ``repeats`` after a warm-up, CUDA events): the ceiling the fused lm_head's GEMMs can be held against."""
+    times = []
+    for i in range(repeats + 1):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        product = hidden @ weight.t()
+        stop.record()
+        stop.synchronize()
+        del product
+        if i:
+            times.append(start.elapsed_time(stop) / 1e3)
+    n, h = hidden.shape
+    return 2 * n * h * weight.shape[0] / statistics.median(times) / 1e12
 
 
 def arithmetic_bytes(n: int, h: int, v: int, itemsize: int) -> dict:
@@ -377,38 +418,52 @@ def _seconds(run: dict, part: str, clock: str = "") -> float:
     return run[f"{part}_{clock}s"]
 
 
-def summarize(memory: list, timing: dict) -> dict:
-    """Per path: peak bytes (from its own process) and median wall times (from the interleaved rounds). Time
-    ratios fused_linear / logits_kernel, three ways: the median over rounds of the per-round wall ratio, the
-    ratio of the fastest rounds (least disturbed by other jobs), and the median per-round process-CPU ratio."""
+# The datasheet's dense bf16 tensor-core rate (FLOP/s) by a substring of the device name (first match wins).
+TENSOR_PEAK = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+
+
+def summarize(memory: list, timing: dict, shape: Optional[dict] = None) -> dict:
+    """Per path: peak bytes (from its memory step) and median wall times (from the interleaved rounds). fused_linear
+    against each other path that ran: its peak over fused_linear's (``memory_vs_<path>``, also without the gradients
+    every path returns) and fused_linear's time over its (``<part>_time_vs_<path>``), three ways: the median over
+    rounds of the per-round wall ratio, the ratio of the fastest rounds (least disturbed by other jobs), and the
+    median per-round process-CPU ratio. Against ``liger_flce`` the train part only (its forward-only passes are ours).
+    With ``shape`` (and a GPU's ``gemm_tflops`` in ``timing``): each path's train TFLOP/s (the 6NHV of a fwd+bwd),
+    against torch's GEMM at this shape and the datasheet's rate."""
     rounds = timing["rounds"]
     paths = {m["path"]: dict(m) for m in memory if m["status"] == "ok"}
     for path, row in paths.items():
         for part in PARTS:
             row[f"{part}_s"] = statistics.median(_seconds(r[path], part) for r in rounds)
     ratios = {}
-    if {"fused_linear", "logits_kernel", "openrlhf"} <= set(paths):
-        fl, lk, orl = paths["fused_linear"], paths["logits_kernel"], paths["openrlhf"]
+    if "fused_linear" in paths:
+        fl = paths["fused_linear"]
         without = lambda row: row["peak_bytes"] - row["grad_bytes"]  # noqa: E731
         ratio = lambda a, b: a / b if b > 0 else float("nan")  # noqa: E731  (a tiny shape can grow by 0 bytes)
-        ratios = {
-            "memory_vs_openrlhf": ratio(orl["peak_bytes"], fl["peak_bytes"]),
-            "memory_vs_logits_kernel": ratio(lk["peak_bytes"], fl["peak_bytes"]),
-            "memory_vs_openrlhf_without_grads": ratio(without(orl), without(fl)),
-            "memory_vs_logits_kernel_without_grads": ratio(without(lk), without(fl)),
-        }
-        for part in PARTS:
-            fused = [_seconds(r["fused_linear"], part) for r in rounds]
-            logits = [_seconds(r["logits_kernel"], part) for r in rounds]
-            cpu = [_seconds(r["fused_linear"], part, "cpu_") / _seconds(r["logits_kernel"], part, "cpu_")
-                   for r in rounds]  # fmt: skip
-            ratios[f"{part}_time_vs_logits_kernel"] = {
-                "median_of_round_ratios": statistics.median(f / g for f, g in zip(fused, logits)),
-                "fastest_rounds": min(fused) / min(logits),
-                "median_of_round_cpu_ratios": statistics.median(cpu),
-            }
+        for other in (p for p in PATHS if p in paths and p != "fused_linear"):
+            row = paths[other]
+            ratios[f"memory_vs_{other}"] = ratio(row["peak_bytes"], fl["peak_bytes"])
+            ratios[f"memory_vs_{other}_without_grads"] = ratio(without(row), without(fl))
+            for part in ("train",) if other == "liger_flce" else PARTS:
+                fused = [_seconds(r["fused_linear"], part) for r in rounds]
+                theirs = [_seconds(r[other], part) for r in rounds]
+                cpu = [_seconds(r["fused_linear"], part, "cpu_") / _seconds(r[other], part, "cpu_") for r in rounds]
+                ratios[f"{part}_time_vs_{other}"] = {
+                    "median_of_round_ratios": statistics.median(f / g for f, g in zip(fused, theirs)),
+                    "fastest_rounds": min(fused) / min(theirs),
+                    "median_of_round_cpu_ratios": statistics.median(cpu),
+                }
+    throughput = {}
+    if shape and timing.get("gemm_tflops"):
+        flops = 6 * shape["n"] * shape["h"] * shape["v"]  # logits, grad of the hidden states, grad of the weight
+        peak = next((rate for key, rate in TENSOR_PEAK if key in timing.get("gpu", "")), None)
+        throughput = dict(gemm_tflops=timing["gemm_tflops"], datasheet_tflops=peak and peak / 1e12)
+        for path, row in paths.items():
+            row["train_tflops"] = flops / row["train_s"] / 1e12
+            row["train_share_of_gemm"] = row["train_tflops"] / timing["gemm_tflops"]
+            row["train_share_of_datasheet"] = peak and row["train_tflops"] * 1e12 / peak
     skipped = [dict(m) for m in memory if m["status"] != "ok"]
-    return dict(paths=list(paths.values()), skipped=skipped, ratios=ratios,
+    return dict(paths=list(paths.values()), skipped=skipped, ratios=ratios, throughput=throughput,
                 loadavg=[r["loadavg_1min"] for r in rounds])  # fmt: skip
 
 
@@ -420,28 +475,41 @@ def format_report(summary: dict) -> str:
     ]
     for r in summary["paths"]:
         lines.append(
-            f"| {r['path']} | {','.join(r['backend_ran'])} | {r['forward_only_s']:.2f} "
-            f"| {_gib(r['forward_only_peak_bytes'])} | {r['train_s']:.2f} | {_gib(r['train_peak_bytes'])} "
-            f"| {r['total_s']:.2f} | {_gib(r['peak_bytes'])} | {r['loss']:.6f} |"
+            f"| {r['path']} | {','.join(r['backend_ran'])} | {r['forward_only_s']:.4f} "
+            f"| {_gib(r['forward_only_peak_bytes'])} | {r['train_s']:.4f} | {_gib(r['train_peak_bytes'])} "
+            f"| {r['total_s']:.4f} | {_gib(r['peak_bytes'])} | {r['loss']:.6f} |"
+            + (f" {r['note']}" if r.get("note") else "")
         )
     for r in summary.get("skipped", []):
         lines.append(f"| {r['path']} | {r['status']} |")
     q = summary["ratios"]
     if q:
+        others = [p for p in PATHS if f"memory_vs_{p}" in q]
         grads = _gib(summary["paths"][0]["grad_bytes"])
+        goal = lambda key: f" (goal >= {GOALS[key]:.0f}x)" if key in GOALS else ""  # noqa: E731
         lines += [
             "",
-            f"fused_linear peak: {q['memory_vs_openrlhf']:.1f}x less than openrlhf (goal >= "
-            f"{GOALS['memory_vs_openrlhf']:.0f}x), {q['memory_vs_logits_kernel']:.1f}x less than logits_kernel "
-            f"(goal >= {GOALS['memory_vs_logits_kernel']:.0f}x)",
-            f"  without the {grads} GiB of gradients every path returns: {q['memory_vs_openrlhf_without_grads']:.1f}x "
-            f"and {q['memory_vs_logits_kernel_without_grads']:.1f}x",
-            f"fused_linear time / logits_kernel time (goal for the step <= {GOALS['time_vs_logits_kernel']}x):",
+            "fused_linear peak: " + ", ".join(f"{q[f'memory_vs_{p}']:.1f}x less than {p}{goal(f'memory_vs_{p}')}"
+                                              for p in others),  # fmt: skip
+            f"  without the {grads} GiB of gradients every path returns: "
+            + ", ".join(f"{q[f'memory_vs_{p}_without_grads']:.1f}x ({p})" for p in others),
+            f"fused_linear time / each path's time (goal against logits_kernel, the step: <= "
+            f"{GOALS['time_vs_logits_kernel']}x):",
         ]
-        for part in PARTS:
-            t = q[f"{part}_time_vs_logits_kernel"]
-            lines.append(f"  {part}: {t['median_of_round_ratios']:.2f}x (median of rounds), {t['fastest_rounds']:.2f}x "
-                         f"(fastest rounds), {t['median_of_round_cpu_ratios']:.2f}x (process CPU time)")  # fmt: skip
+        for p in others:
+            for part in PARTS:
+                t = q.get(f"{part}_time_vs_{p}")
+                if t:
+                    lines.append(f"  vs {p}, {part}: {t['median_of_round_ratios']:.2f}x (median of rounds), "
+                                 f"{t['fastest_rounds']:.2f}x (fastest rounds), {t['median_of_round_cpu_ratios']:.2f}x "
+                                 "(process CPU time)")  # fmt: skip
+    t = summary.get("throughput")
+    if t:
+        sheet = f", the datasheet's {t['datasheet_tflops']:.0f}" if t.get("datasheet_tflops") else ""
+        lines.append(f"train fwd+bwd TFLOP/s (6NHV over the train time; torch's GEMM at this shape: "
+                     f"{t['gemm_tflops']:.0f}{sheet}): "
+                     + ", ".join(f"{r['path']} {r['train_tflops']:.0f} ({100 * r['train_share_of_gemm']:.0f}% of the "
+                                 "GEMM's)" for r in summary["paths"]))  # fmt: skip
     lines.append("1-min load average at the end of each timed round: "
                  + ", ".join(f"{x:.1f}" for x in summary["loadavg"]))  # fmt: skip
     return "\n".join(lines)
@@ -457,10 +525,25 @@ def format_arithmetic(n: int, h: int, v: int, itemsize: int) -> str:
 
 
 def _subprocess(args: list) -> dict:
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True)
+    """A worker in a fresh process (CPU: a process's peak RSS is what measures one path); its stderr goes to ours, so
+    a log shows its progress and its error."""
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"worker {args} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"worker {args[1]} exited {proc.returncode} (its error is above)")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _worker(spec: str, options: dict, dims: tuple, repeats: int) -> dict:
+    """The result of worker ``spec`` ("memory:<path>" or "time:<paths>"), run in this process."""
+    mode, what = spec.split(":")
+    if mode == "memory":
+        return _memory_worker(what, options, *dims)
+    return _time_worker(what.split(","), options, *dims, repeats)
+
+
+def _write_json(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -483,18 +566,17 @@ def main(argv: Optional[list] = None) -> int:
                         "other jobs on a shared machine")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # "memory:<path>" or "time:<paths>"
     args = parser.parse_args(argv)
-    shape = {k: getattr(args, k) or DEFAULTS[args.device][k] for k in ("n", "h", "v", "dtype")}
-    if min(shape["n"], shape["h"], shape["v"], args.repeats, args.threads or 1) < 1:
-        parser.error("--n, --h, --v, --repeats and --threads must be >= 1")
+    for flag in ("n", "h", "v", "repeats", "threads"):  # `is None`, not `or`: a 0 given is refused, not replaced
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be an integer >= 1, got {getattr(args, flag)}")
+    if not math.isfinite(args.entropy_coef):
+        parser.error(f"--entropy-coef must be a finite number, got {args.entropy_coef}")
+    shape = {k: DEFAULTS[args.device][k] if getattr(args, k) is None else getattr(args, k)
+             for k in ("n", "h", "v", "dtype")}  # fmt: skip
     dims = (args.device, shape["n"], shape["h"], shape["v"], shape["dtype"])
     options = dict(backend=args.backend, entropy_coef=args.entropy_coef)
     if args.worker:
-        mode, what = args.worker.split(":")
-        if mode == "memory":
-            result = _memory_worker(what, options, *dims)
-        else:
-            result = _time_worker(what.split(","), options, *dims, args.repeats)
-        print(json.dumps(result))
+        print(json.dumps(_worker(args.worker, options, dims, args.repeats)))
         return 0
     paths = [p for p in args.paths.split(",") if p]
     if not paths or set(paths) - set(PATHS):
@@ -502,8 +584,14 @@ def main(argv: Optional[list] = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     json_path = Path(args.json or RESULTS_DIR / f"bench_memory_{args.device}.json")
+    if json_path.is_dir():
+        parser.error(f"--json {json_path} is a folder: give a file path")
     if json_path.exists() and not args.overwrite:
         parser.error(f"{json_path} exists: pass --overwrite to replace it, or --json elsewhere")
+    try:  # before the run, not after it: a path that cannot be written would lose every figure
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"--json {json_path}: cannot write there ({error.strerror or error})")
 
     if args.threads:
         os.environ["BENCH_THREADS"] = str(args.threads)  # read by the worker processes
@@ -511,36 +599,53 @@ def main(argv: Optional[list] = None) -> int:
     common = ["--device", args.device, "--n", str(shape["n"]), "--h", str(shape["h"]), "--v", str(shape["v"]),
               "--dtype", shape["dtype"], "--repeats", str(args.repeats), "--backend", args.backend,
               "--entropy-coef", str(args.entropy_coef)]  # fmt: skip
-    memory = [_subprocess(["--worker", f"memory:{path}", *common]) for path in paths]
+    # CPU: each worker in a fresh process (peak RSS is per process). CUDA: here, one after the other (the allocator's
+    # peak statistics, reset per step, are exact per path; a process per path cost ~14 s of start, self-check and
+    # compiles each on the H100, and the GPU session's step ran out of time before its last path).
+    run_worker = (lambda spec: _worker(spec, options, dims, args.repeats)) if args.device == "cuda" else (
+        lambda spec: _subprocess(["--worker", spec, *common]))  # fmt: skip
+    report = dict(shape=shape, backend=args.backend, entropy_coef=args.entropy_coef, complete=False, memory=[])
     expected = expected_backends(args.device, args.backend)
-    for row in memory:  # every figure says what ran: a path whose op ran another backend is not that path's figure
+    for path in paths:
+        try:
+            row = run_worker(f"memory:{path}")
+        except RuntimeError as error:  # the worker process died (its error went to stderr): this path's row says so
+            row = dict(path=path, status=f"failed: {error}")
+        # every figure says what ran: a path whose op ran another backend is not that path's figure
         if row["status"] == "ok" and row["backend_ran"] != [expected[row["path"]]]:
             row["status"] = f"refused: the op ran {row['backend_ran']}, {expected[row['path']]} expected"
+        report["memory"].append(row)
+        peak = f", peak {_gib(row['peak_bytes'])} GiB, ran {row['backend_ran']}" if row["status"] == "ok" else ""
+        print(f"memory: {path}: {row['status']}{peak}", file=sys.stderr, flush=True)
+        _write_json(json_path, report)  # a step cut short by its time budget keeps the rows it measured
+    memory = report["memory"]
     running = [row["path"] for row in memory if row["status"] == "ok"]
-    timing = _subprocess(["--worker", f"time:{','.join(running)}", *common]) if running else dict(rounds=[])
+    timing = run_worker(f"time:{','.join(running)}") if running else dict(rounds=[])
+    for path, why in timing.get("failed", {}).items():
+        next(r for r in memory if r["path"] == path)["status"] = why
     for path, ran in timing.get("backend_ran", {}).items():
         if ran != [expected[path]]:
             row = next(r for r in memory if r["path"] == path)
             row["status"] = f"refused: the op ran {ran} in the timed rounds, {expected[path]} expected"
-    summary = summarize(memory, timing) if timing["rounds"] else dict(paths=[], skipped=memory, ratios={}, loadavg=[])
+    summary = (summarize(memory, timing, shape) if timing["rounds"]
+               else dict(paths=[], skipped=memory, ratios={}, loadavg=[]))  # fmt: skip
     if args.device == "cuda":
         where = f"GPU: {timing.get('gpu', torch.cuda.get_device_name())}"
     else:
         where = f"CPU: {_cpu_model()}, {os.cpu_count()} cores, torch threads {timing['threads']}"
         where += f", cpp kernel {timing.get('cpp_isa', '-')}"
     print(where)
+    peaks = "in this process, reset per step" if args.device == "cuda" else "one fresh process per path"
     print(f"N={shape['n']}, H={shape['h']}, V={shape['v']}, {shape['dtype']}; {FORWARD_ONLY_PASSES} forward-only "
-          f"passes + one training fwd+bwd. Peaks: one fresh process per path, a step after a warm-up step. Times: "
+          f"passes + one training fwd+bwd. Peaks: {peaks}, a step after a warm-up step. Times: "
           f"median of {args.repeats} interleaved rounds in one process, after a warm-up step per path")  # fmt: skip
     print(format_report(summary))
     itemsize = 4 if shape["dtype"] == "float32" else 2
     print(format_arithmetic(shape["n"], shape["h"], shape["v"], itemsize))
     print(format_arithmetic(32768, 4096, 151936, 2))
     print(f"(bench took {time.perf_counter() - started:.0f} s)")
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    report = dict(shape=shape, where=where, backend=args.backend, entropy_coef=args.entropy_coef, summary=summary,
-                  memory=memory, timing=timing)  # fmt: skip
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    report.update(where=where, summary=summary, timing=timing, complete=True)
+    _write_json(json_path, report)
     print(f"wrote {json_path}")
     refused = [row["path"] for row in memory if row["status"].startswith("refused")]
     if refused:

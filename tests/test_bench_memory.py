@@ -113,3 +113,81 @@ def test_a_path_whose_op_ran_another_backend_is_refused(tmp_path, monkeypatch, c
     assert rows["logits_kernel"]["status"] == "refused: the op ran ['torch'], cpp expected"
     assert rows["fused_linear"]["status"] == "ok" and rows["fused_linear"]["backend_ran"] == ["torch"]
     assert "refused paths (their op ran another backend): logits_kernel" in capsys.readouterr().err
+
+
+def _row(path, peak, grads=10):
+    return dict(path=path, status="ok", peak_bytes=peak, grad_bytes=grads, forward_only_peak_bytes=1,
+                train_peak_bytes=peak, loss=0.0, backend_ran=[path])  # fmt: skip
+
+
+def _timed(fwd, train):
+    return dict(forward_only_s=fwd, train_s=train, forward_only_cpu_s=fwd, train_cpu_s=train)
+
+
+def test_the_gpu_sessions_paths_get_their_ratios_without_openrlhf():
+    """The GPU session runs logits_kernel, fused_linear, liger_flce and cce (no openrlhf): the fused lm_head's goals
+    are against the logits path, and its peers' ratios are measured too. Before, the ratios needed the openrlhf path
+    and that run's were empty. Against Liger the train part only: its forward-only passes are ours."""
+    memory = [_row("logits_kernel", 130), _row("fused_linear", 50), _row("liger_flce", 60), _row("cce", 90)]
+    rounds = [{"logits_kernel": _timed(2, 4), "fused_linear": _timed(3, 5), "liger_flce": _timed(3, 10),
+               "cce": _timed(1, 2), "loadavg_1min": 0.0}]  # fmt: skip
+    q = bench_memory.summarize(memory, dict(rounds=rounds, gpu="NVIDIA H200", gemm_tflops=500.0),
+                               dict(n=4, h=5, v=10**12))["ratios"]  # fmt: skip
+    assert q["memory_vs_logits_kernel"] == pytest.approx(130 / 50) and q["memory_vs_cce"] == pytest.approx(90 / 50)
+    assert q["total_time_vs_logits_kernel"]["median_of_round_ratios"] == pytest.approx(8 / 6)
+    assert q["train_time_vs_liger_flce"]["fastest_rounds"] == pytest.approx(5 / 10)
+    assert "forward_only_time_vs_liger_flce" not in q and "total_time_vs_liger_flce" not in q
+    assert q["train_time_vs_cce"]["median_of_round_ratios"] == pytest.approx(5 / 2)
+    summary = bench_memory.summarize(memory, dict(rounds=rounds, gpu="NVIDIA H200", gemm_tflops=500.0),
+                                     dict(n=4, h=5, v=10**12))  # fmt: skip
+    fused = next(r for r in summary["paths"] if r["path"] == "fused_linear")
+    assert fused["train_tflops"] == pytest.approx(6 * 4 * 5 * 10**12 / 5 / 1e12)  # 24 TFLOP/s
+    assert fused["train_share_of_gemm"] == pytest.approx(24 / 500)
+    assert summary["throughput"]["datasheet_tflops"] == pytest.approx(989)
+    report = bench_memory.format_report(summary)
+    assert "2.6x less than logits_kernel (goal >= 3x)" in report and "vs liger_flce, train: 0.50x" in report
+
+
+def test_a_path_that_fails_is_its_row_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    """One peer failing (the H100 session: cut-cross-entropy's API) lost every row of both lm_head steps. Now a
+    path's failure, in its step or its worker process, is that path's status; the others are measured and the JSON
+    is written after each path (``complete`` at the end)."""
+    def broken(data, options):
+        raise NotImplementedError("cce_exact is not implemented.")
+
+    monkeypatch.setitem(bench_memory.STEPS, "cce", broken)
+    row = bench_memory._memory_worker("cce", dict(backend="auto", entropy_coef=0.0), "cpu", 8, 4, 16, "float32")
+    assert row == dict(path="cce", status="failed: NotImplementedError: cce_exact is not implemented.")
+
+    def worker(args):
+        mode, what = args[1].split(":")
+        if mode == "memory":
+            if what == "logits_kernel":
+                raise RuntimeError("worker memory:logits_kernel exited -9 (its error is above)")
+            ran = [bench_memory.expected_backends("cpu", "auto")[what]]
+            return dict(_row(what, 100), backend_ran=ran)
+        assert what == "fused_linear"  # only what measured its memory is timed
+        return dict(rounds=[{"fused_linear": _timed(1.0, 1.0), "loadavg_1min": 0.0}], threads=1, cpp_isa="avx2",
+                    backend_ran={"fused_linear": ["torch"]})  # fmt: skip
+
+    monkeypatch.setattr(bench_memory, "_subprocess", worker)
+    path = tmp_path / "result.json"
+    argv = ["--json", str(path), "--n", "8", "--h", "4", "--v", "16", "--repeats", "1",
+            "--paths", "logits_kernel,fused_linear"]  # fmt: skip
+    assert bench_memory.main(argv) == 0
+    report = __import__("json").loads(path.read_text())
+    rows = {row["path"]: row for row in report["memory"]}
+    assert rows["logits_kernel"]["status"] == "failed: worker memory:logits_kernel exited -9 (its error is above)"
+    assert rows["fused_linear"]["status"] == "ok" and report["complete"] is True
+    assert "memory: logits_kernel: failed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--n", "0"], "--n must be an integer >= 1, got 0"),
+    (["--entropy-coef", "nan"], "--entropy-coef must be a finite number, got nan"),
+])  # fmt: skip
+def test_a_zero_or_nan_is_refused_not_replaced(tmp_path, monkeypatch, capsys, flags, message):
+    monkeypatch.setattr(bench_memory, "_subprocess", lambda args: pytest.fail("a worker ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench_memory.main(["--json", str(tmp_path / "r.json"), *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
