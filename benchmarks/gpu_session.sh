@@ -7,7 +7,10 @@
 #   benchmarks/gpu_session.sh --fetch-wheels   # HERE, with internet: the wheels the GPU image lacks -> .gpu-wheels/
 #   benchmarks/gpu_session.sh                  # ON THE GPU MACHINE, from the repository root
 #
-# With the device tool: run(command="bash benchmarks/gpu_session.sh", carry=[".gpu-wheels"], timeout_s=600).
+# With the device tool, after --fetch-wheels here: run(command="GPU_SESSION_COMMIT=<git rev-parse --short HEAD here>
+# bash benchmarks/gpu_session.sh", carry=[".gpu-wheels"], timeout_s=540): the steps take at most 420 s, the checks,
+# the wheels' install and the bundling before and after them some 20 more (a timeout_s of 420 cuts the end off).
+# The device's copy of the tree has commits of its own: GPU_SESSION_COMMIT names the one the report is of.
 # The image (Python 3.12, torch 2.11, Triton 3.6, transformers 5.17, accelerate; no internet) lacks trl, datasets
 # (+ dill, multiprocess), liger-kernel and openrlhf (+ pylatexenc, which its loss module imports): --fetch-wheels
 # downloads them with --no-deps into the
@@ -16,7 +19,7 @@
 # comes back), else to a temporary folder; the report is what it prints.
 #
 # Environment: PYTHON (default python3), GPU_SESSION_BUDGET_S (the session's total, default 420), WHEELS (default
-# .gpu-wheels).
+# .gpu-wheels), GPU_SESSION_COMMIT (the commit to name in the report; default: the copy's own HEAD, said as such).
 set -u
 
 cd "$(dirname "$0")/.." || exit 2
@@ -28,14 +31,16 @@ WHEEL_PINS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-
 # name | budget s | command (run by bash from the repository root, $PYTHON and $LOGS set). Issue 44's table: the loss
 # head (ours three ways, Liger, OpenRLHF's eager loss, the torch reference), the fused lm_head against the logits
 # path, Liger's fused linear GRPO loss and Cut Cross-Entropy at H = 896 and 4096, and TRL steps at Qwen2.5-0.5B's
-# shapes. 420 s in all: one device call of at most 7 minutes, with time left to rerun it.
+# shapes. 420 s in all: one device call of at most 7 minutes, with time left to rerun it. The budgets follow the H100
+# session of 2026-11-28 (probe: 20 s was cut off at its exit; check-gpu took 10 s, loss-head 21 s, five TRL variants
+# 106 s; the lm_head steps now run their paths in one process) and what was added since (rows, a TRL warm-up).
 STEPS=(
-  "probe|20|\$PYTHON -m benchmarks.gpu_steps probe"
-  "check-gpu|60|\$PYTHON -m openrlhf_lopti check-gpu --no-bench --quick"
-  "loss-head|80|\$PYTHON -m benchmarks.gpu_steps loss-head --n 8192 --v 151936 --json \$LOGS/loss_head.json"
-  "lm-head-h896|60|\$PYTHON benchmarks/bench_memory.py --device cuda --n 16384 --h 896 --paths logits_kernel,fused_linear,liger_flce,cce --entropy-coef 0 --repeats 3 --json \$LOGS/lm_head_h896.json --overwrite"
-  "lm-head-h4096|70|\$PYTHON benchmarks/bench_memory.py --device cuda --n 16384 --h 4096 --paths logits_kernel,fused_linear,liger_flce,cce --entropy-coef 0 --repeats 3 --json \$LOGS/lm_head_h4096.json --overwrite"
-  "trl-shapes|130|\$PYTHON -m benchmarks.gpu_steps trl-shapes --json \$LOGS/trl_shapes.json"
+  "probe|40|\$PYTHON -m benchmarks.gpu_steps probe"
+  "check-gpu|30|\$PYTHON -m openrlhf_lopti check-gpu --no-bench --quick"
+  "loss-head|75|\$PYTHON -m benchmarks.gpu_steps loss-head --n 8192 --v 151936 --json \$LOGS/loss_head.json"
+  "lm-head-h896|55|\$PYTHON benchmarks/bench_memory.py --device cuda --n 16384 --h 896 --paths logits_kernel,fused_linear,liger_flce,cce --entropy-coef 0 --repeats 3 --json \$LOGS/lm_head_h896.json --overwrite"
+  "lm-head-h4096|60|\$PYTHON benchmarks/bench_memory.py --device cuda --n 16384 --h 4096 --paths logits_kernel,fused_linear,liger_flce,cce --entropy-coef 0 --repeats 3 --json \$LOGS/lm_head_h4096.json --overwrite"
+  "trl-shapes|160|\$PYTHON -m benchmarks.gpu_steps trl-shapes --json \$LOGS/trl_shapes.json"
 )
 
 # Tests only: GPU_SESSION_STEPS_FILE replaces the steps (one "name|budget|command" a line), GPU_SESSION_ASSUME_CUDA=1
@@ -50,7 +55,7 @@ now() {
   if [[ -n ${GPU_SESSION_CLOCK_FILE:-} ]]; then cat "$GPU_SESSION_CLOCK_FILE"; else echo "$SECONDS"; fi
 }
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }  # the header above
 
 case "${1:-}" in
   --dry-run)
@@ -73,9 +78,14 @@ esac
 
 if [[ ${GPU_SESSION_ASSUME_CUDA:-} == 1 ]]; then
   cuda="True (assumed by GPU_SESSION_ASSUME_CUDA, tests only)"
-elif ! cuda=$("$PYTHON" -c 'import torch; print(torch.cuda.is_available(), torch.__version__)' 2>&1); then
-  echo "gpu_session: refusing: torch does not import with $PYTHON ($(tail -n1 <<<"$cuda")); --dry-run lists the steps"
-  exit 2
+else
+  # stderr apart: a warning printed at torch's import must not stand before the answer (the last line of stdout)
+  errors=$(mktemp -t gpu_session_check-XXXXXX)
+  if ! cuda=$("$PYTHON" -c 'import torch; print(torch.cuda.is_available(), torch.__version__)' 2>"$errors"); then
+    echo "gpu_session: refusing: torch does not import with $PYTHON ($(tail -n1 "$errors")); --dry-run lists the steps"
+    exit 2
+  fi
+  cuda=$(tail -n1 <<<"$cuda")
 fi
 if [[ $cuda != True* ]]; then
   echo "gpu_session: refusing: no CUDA device visible to torch ${cuda#* } on this machine; --dry-run lists the steps"
@@ -86,19 +96,24 @@ START=$(now)
 LOGS=${OUT:-$(mktemp -d -t gpu_session-XXXXXX)}
 mkdir -p "$LOGS"
 REPORT=$LOGS/gpu_session.log
+# The step logs stay out of $LOGS, bundled into it after each step: the device tool brings back at most 8 files from
+# $OUT (the report, 4 JSON files and the bundle), also when the call is cut short.
+STEP_LOGS=$(mktemp -d -t gpu_session_logs-XXXXXX)
+bundle_logs() { [[ -n ${OUT:-} ]] && tar -czf "$LOGS/step_logs.tgz" -C "$STEP_LOGS" . 2>/dev/null; return 0; }
 export PYTHON LOGS PYTHONUNBUFFERED=1 OPENRLHF_LOPTI_NO_JIT=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 say() { echo "$*" | tee -a "$REPORT"; }
 
 gpu=$(nvidia-smi -L 2>/dev/null | head -n1)
-say "gpu_session: $(date -u +%FT%TZ), ${gpu:-nvidia-smi: none}, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), budget ${BUDGET} s"
+commit=${GPU_SESSION_COMMIT:-"$(git rev-parse --short HEAD 2>/dev/null || echo '?') (this copy's HEAD: GPU_SESSION_COMMIT unset)"}
+say "gpu_session: $(date -u +%FT%TZ), ${gpu:-nvidia-smi: none}, commit ${commit}, budget ${BUDGET} s"
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
   SITE=$(mktemp -d -t gpu_session_site-XXXXXX)
-  if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl >"$LOGS/wheels.log" 2>&1; then
+  if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl >"$STEP_LOGS/wheels.log" 2>&1; then
     export PYTHONPATH="$SITE:$PYTHONPATH"
     say "wheels: installed $(ls "$WHEELS"/*.whl | wc -l) from $WHEELS into $SITE"
   else
-    say "wheels: install FAILED: $(grep -m1 -iE 'error' "$LOGS/wheels.log" || tail -n1 "$LOGS/wheels.log")"
+    say "wheels: install FAILED: $(grep -m1 -iE 'error' "$STEP_LOGS/wheels.log" || tail -n1 "$STEP_LOGS/wheels.log")"
   fi
 else
   say "wheels: none in $WHEELS (trl / liger-kernel / openrlhf steps will say what they miss; see --fetch-wheels)"
@@ -115,7 +130,7 @@ for step in "${STEPS[@]}"; do
     continue
   fi
   say "== $name (budget ${budget} s): $command"
-  log=$LOGS/step_${name}.log
+  log=$STEP_LOGS/step_${name}.log
   t0=$(now)
   timeout --kill-after=5 "$budget" bash -c "$command" >"$log" 2>&1
   rc=$?
@@ -129,11 +144,8 @@ for step in "${STEPS[@]}"; do
   else
     say "== $name: ok in $(($(now) - t0)) s"
   fi
+  bundle_logs
 done
-say "gpu_session: done in $(($(now) - START)) s, ${failed} of ${#STEPS[@]} steps failed, skipped or timed out; logs in $LOGS"
-# The device tool brings back at most 8 files from $OUT: keep the report and the JSON, bundle the step logs.
-if [[ -n ${OUT:-} ]]; then
-  tar -czf "$LOGS/step_logs.tgz" -C "$LOGS" $(cd "$LOGS" && ls step_*.log wheels.log 2>/dev/null) 2>/dev/null &&
-    rm -f "$LOGS"/step_*.log "$LOGS"/wheels.log
-fi
+where=$([[ -n ${OUT:-} ]] && echo "$LOGS (step logs in step_logs.tgz)" || echo "$LOGS, step logs in $STEP_LOGS")
+say "gpu_session: done in $(($(now) - START)) s, ${failed} of ${#STEPS[@]} steps failed, skipped or timed out; logs in $where"
 exit $((failed > 0))

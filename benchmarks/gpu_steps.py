@@ -259,7 +259,10 @@ def trl_shapes(args) -> int:
     def reward(prompts, completions, **kwargs):  # varies between random completions: nonzero advantages
         return [float(len(set(c.split()))) for c in completions]
 
-    variants = [  # (label, trainer class, our options or None for TRL's config)
+    # On a GPU the process's first trainer pays CUDA's, cuBLAS's and generate's first-call costs (20 s on the H100,
+    # in TRL's row then): a one-round run first, not compared
+    warm_ups = [("warm-up: trl GRPOTrainer, one round (not compared)", GRPOTrainer, None)] if device_cuda else []
+    variants = warm_ups + [  # (label, trainer class, our options or None for TRL's config)
         ("trl GRPOTrainer grpo", GRPOTrainer, None),
         ("ours grpo (fused)", LoptiGRPOTrainer, dict()),
         ("ours grpo (fused lm_head)", LoptiGRPOTrainer, dict(fused_lm_head=True)),  # TRL 1.16's own head is fused
@@ -268,13 +271,21 @@ def trl_shapes(args) -> int:
         ("ours ar+lopti (TRL's loss)", LoptiGRPOTrainer, dict(ar_alpha=0.3, lopti_eta=0.5, fused_loss=False)),
     ]
     rows, failures = [], 0
+
+    def write_json(factor=None):  # after every variant: a step stopped by its time budget keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(shape=args.shape, device="cuda" if device_cuda else "cpu",
+                                                       gpu=torch.cuda.get_device_name() if device_cuda else None,
+                                                       rows=rows, lopti_factor=factor), indent=2) + "\n")  # fmt: skip
+
     for label, cls, ours in variants:
         lopti = bool(ours and ours.get("lopti_eta"))
+        warm_up = label.startswith("warm-up")
         common = dict(
             output_dir=tempfile.mkdtemp(), seed=0, report_to="none", logging_steps=1, save_strategy="no",
             bf16=device_cuda, use_cpu=not device_cuda, per_device_train_batch_size=args.batch, num_generations=8,
             max_completion_length=args.completion, gradient_accumulation_steps=1, steps_per_generation=1,
-            max_steps=(2 if lopti else 1) * args.rounds, learning_rate=1e-6, beta=0.0, epsilon=0.2,
+            max_steps=1 if warm_up else (2 if lopti else 1) * args.rounds, learning_rate=1e-6, beta=0.0, epsilon=0.2,
             epsilon_high=0.28, loss_type="dapo",
         )  # fmt: skip
         config = GRPOConfig(**common) if ours is None else LoptiGRPOConfig(**common, loss_backend="auto", **ours)
@@ -298,13 +309,14 @@ def trl_shapes(args) -> int:
             failures += 1
             print(f"{label}: FAILED {first_error_line(exc)}")
             rows.append(dict(variant=label, status=f"failed: {first_error_line(exc)}"))
+            write_json()
             continue
         per_round = [sum(times.times[i : i + (2 if lopti else 1)]) for i in range(0, len(times.times), 2 if lopti else 1)]
         later = per_round[1:] or per_round
         after = backends_ran()
         # our loss head's backends in this variant (none: TRL's own loss ran), and where: no fallback passes unseen
         ran = sorted(name for name in after if after[name] > before.get(name, 0))
-        row = dict(variant=label, status="ok", backend_ran=",".join(ran) or "none (TRL's loss)",
+        row = dict(variant=label, status="warm-up" if warm_up else "ok", backend_ran=",".join(ran) or "none (TRL's loss)",
                    device=torch.cuda.get_device_name() if device_cuda else "cpu", optimizer_steps=len(times.times),
                    round_s=per_round, round_s_after_first=sum(later) / len(later), start_gib=start_gib,
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device_cuda else None)  # fmt: skip
@@ -312,6 +324,7 @@ def trl_shapes(args) -> int:
         peak = "n/a" if row["peak_gib"] is None else f"{row['peak_gib']:.2f} GiB"
         print(f"{label}: {row['optimizer_steps']} optimizer steps, s per generation batch "
               + ", ".join(f"{t:.2f}" for t in per_round) + f"; peak {peak}; backend {row['backend_ran']}")  # fmt: skip
+        write_json()
         del trainer, model
     ok = {r["variant"]: r for r in rows if r["status"] == "ok"}
     grpo, lopti_row = ok.get("ours grpo (fused)"), ok.get("ours ar+lopti (fused)")
@@ -321,10 +334,7 @@ def trl_shapes(args) -> int:
         print(f"Lopti's factor (ar+lopti fused / grpo fused, s per generation batch): {factor:.2f}x")
     if trl_row and grpo and device_cuda:
         print(f"peak memory, ours grpo (fused) / TRL's GRPOTrainer: {grpo['peak_gib'] / trl_row['peak_gib']:.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(shape=args.shape, device="cuda" if device_cuda else "cpu",
-                                                   gpu=torch.cuda.get_device_name() if device_cuda else None,
-                                                   rows=rows, lopti_factor=factor), indent=2) + "\n")  # fmt: skip
+    write_json(factor)
     return 1 if failures else 0
 
 

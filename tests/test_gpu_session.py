@@ -225,3 +225,30 @@ def test_trl_shapes_rows_say_which_backend_ran_and_where(tmp_path):
         "ours ar+lopti (fused lm_head)": "torch",
         "ours ar+lopti (TRL's loss)": "none (TRL's loss)",
     }
+
+
+def test_step_logs_stay_out_of_out_until_bundled_and_the_report_names_the_commit_given(tmp_path):
+    """The device tool brings back at most 8 files from $OUT: the step logs are bundled into one file after every
+    step, so a call cut short mid-session (a timeout_s under the session's) still brings back the report and the
+    JSON. Before, the logs lay in $OUT until the end (a report, 4 JSON, 6 logs and the wheels' log: 12 files). The
+    report names GPU_SESSION_COMMIT: the device's copy of the tree has commits of its own. And a warning torch prints
+    on stderr at import does not make the CUDA check refuse."""
+    steps = tmp_path / "steps.txt"
+    steps.write_text('first|5|echo one\nsecond|5|ls "$OUT"\n')
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho 'UserWarning: something at import' >&2\nexec {sys.executable} \"$@\"\n")
+    fake.chmod(0o755)
+    env = {"GPU_SESSION_STEPS_FILE": str(steps), "GPU_SESSION_MIN_STEP_S": "1", "OUT": str(tmp_path / "out"),
+           "PYTHON": str(fake), "GPU_SESSION_COMMIT": "abc1234"}  # fmt: skip
+    if not __import__("torch").cuda.is_available():
+        # the real check, with CUDA answered True on stdout after the warning on stderr
+        fake.write_text("#!/bin/sh\necho 'UserWarning: something at import' >&2\necho 'True 2.11.0'\n")
+    out = session(env=env)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0, out.stdout
+    assert " commit abc1234, budget 420 s" in lines[0]
+    begin = lines.index("== second (budget 5 s): ls \"$OUT\"")
+    end = next(i for i, line in enumerate(lines) if line.startswith("== second: ok in "))
+    listing = lines[begin + 1 : end]
+    assert listing == ["gpu_session.log", "step_logs.tgz"]  # while the session runs: no loose step log
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_session.log", "step_logs.tgz"]
