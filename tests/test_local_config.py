@@ -62,6 +62,18 @@ def test_eta_zero_means_lopti_off_as_in_the_openrlhf_cli():
     assert err.value.field == "eta"
 
 
+@pytest.mark.parametrize("lopti", [False, True])
+def test_eta_zero_with_a_quantile_is_eta_unset(lopti):
+    """algo.lopti_settings' eta 0 = unset, as OpenRLHF's --algo.lopti.eta 0 with --algo.lopti.quantile. (Before: refused,
+    "eta 0 means Lopti off ... but lopti is on (--lopti or a lopti --method)", though only the quantile turned it on.)"""
+    from openrlhf_lopti.algo import LoptiSettings
+    from openrlhf_lopti.local.cli import build_parser, config_from_args
+
+    assert make(eta=0, lopti=lopti, lopti_quantile=0.3).lopti_settings == LoptiSettings(0.5, "low_first", 0.3)
+    argv = ["--model", "m", "--out", "o", "--eta", "0", "--lopti-quantile", "0.3"] + ["--lopti"] * lopti
+    assert config_from_args(build_parser().parse_args(argv)).lopti_settings == LoptiSettings(0.5, "low_first", 0.3)
+
+
 def test_eta_and_a_quantile_together_are_refused_naming_both():
     """algo's one rule (docs/LOPTI_ROUND.md); a quantile alone, or eta alone, is accepted. (Before: the quantile won
     and --eta was ignored without a word.)"""
@@ -72,8 +84,11 @@ def test_eta_and_a_quantile_together_are_refused_naming_both():
         make(lopti=True, eta=0.3, lopti_quantile=0.2)
     assert err.value.field == "eta"
     argv = ["--model", "m", "--out", "o", "--lopti", "--eta", "0.3", "--lopti-quantile", "0.2"]
-    with pytest.raises(UserError, match="^--eta=0.3 and lopti_quantile=0.2 are two Lopti thresholds"):
+    with pytest.raises(UserError) as refusal:  # both by their flags (docs/LOPTI_ROUND.md; before: lopti_quantile=0.2)
         config_from_args(build_parser().parse_args(argv))
+    assert str(refusal.value) == ("--eta=0.3 and --lopti-quantile=0.2 are two Lopti thresholds: give one "
+                                  "(--lopti-quantile alone turns Lopti on)")  # fmt: skip
+    assert str(err.value.as_flag_error()) == str(refusal.value)
     assert make(lopti_quantile=0.2).lopti_settings.quantile == 0.2 and make(lopti=True, eta=0.3).lopti_settings.eta == 0.3
     assert make(lopti=True).lopti_settings.eta == 0.5  # eta unset: the paper's
 

@@ -264,3 +264,17 @@ def test_args_none_is_trls_default(tmp_path, tok, monkeypatch):
     assert ours.args.ar_alpha == 0 and not ours.args.lopti and ours.loss_path == "fused"
     for f in fields(GRPOConfig):
         assert getattr(ours.args, f.name) == getattr(theirs.args, f.name), f.name
+
+
+@pytest.mark.parametrize("eta", [0, 0.0])
+def test_lopti_eta_zero_with_a_quantile_is_eta_unset(tmp_path, eta):
+    """algo.lopti_settings' eta 0 = unset, as OpenRLHF's --algo.lopti.eta 0 with --algo.lopti.quantile. (Before: refused,
+    "lopti_eta: eta must be a probability threshold in (0, 1], got 0".) Alone, 0 is no threshold: still refused."""
+    from openrlhf_lopti.algo import LoptiSettings
+
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False)
+    cfg = LoptiGRPOConfig(**base, lopti_eta=eta, lopti_quantile=0.3)
+    assert cfg.lopti and cfg.lopti_settings == LoptiSettings(0.5, "low_first", 0.3)
+    for refused in (dict(lopti_eta=eta), dict(lopti_eta=False, lopti_quantile=0.3)):
+        with pytest.raises(ValueError, match="^lopti_eta: eta must be a probability threshold in"):
+            LoptiGRPOConfig(**base, **refused)

@@ -260,8 +260,9 @@ def lopti_phases(
     ``response_mask``; they are disjoint and cover it; an empty phase is returned all False.
 
     Raises:
-        ValueError: eta outside (0, 1], unknown order, quantile outside (0, 1), mismatched shapes, or NaN
-            log-probs on masked tokens.
+        ValueError: eta outside (0, 1], unknown order, quantile outside (0, 1), mismatched shapes, NaN
+            log-probs on masked tokens, or log-probs above 0 there (by more than the 1e-3 of rounding,
+            :data:`~.advantage.OLD_LOG_PROB_MAX`: not log-probabilities).
     """
     return [phase.mask for phase in plan_round(old_log_probs, response_mask, LoptiSettings(eta, order, quantile)).phases]
 

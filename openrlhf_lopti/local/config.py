@@ -33,6 +33,7 @@ OPTIMIZERS = ("adamw", "sgd")
 LOPTI_MOMENTS = ("shared", "per-phase")
 SEED_LIMIT = 2**40  # the derived seeds (seed * 1_000_003 + step) then fit a torch generator's int64
 DEVICE_FORM = re.compile(r"auto|cpu|cuda(:\d+)?")
+LOPTI_KEYS = ("eta", "lopti_quantile", "lopti_order")  # the names algo.lopti_settings' refusals give (its keys)
 
 # The four methods the demo compares: name -> (alpha, lopti). AR's alpha = 0.3 is the paper's K&K value.
 METHODS = {
@@ -44,16 +45,22 @@ METHODS = {
 
 
 class ConfigError(ValueError):
-    """A bad :class:`TrainConfig` value; ``field`` names it (the CLI reports it as the field's flag)."""
+    """A bad :class:`TrainConfig` value; ``field`` names it (the CLI reports it as the field's flag). ``others``:
+    further fields the message names as ``name=value`` (the CLI names those by their flags too)."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, others: tuple = ()):
         super().__init__(message)
         self.field = field
+        self.others = tuple(others)
 
     def as_flag_error(self) -> UserError:
-        """The same message as a command's :class:`UserError`, naming the field's flag (``--lopti-order``)."""
+        """The same message as a command's :class:`UserError`, naming the field's flag (``--lopti-order``), and
+        those of ``others`` (``--eta=0.3 and --lopti-quantile=0.2 ...``)."""
         text, flag = str(self), "--" + self.field.replace("_", "-")
-        return UserError(flag + text[len(self.field) :] if text.startswith(self.field) else text)
+        text = flag + text[len(self.field) :] if text.startswith(self.field) else text
+        for name in self.others:
+            text = re.sub(rf"(?<![-\w]){re.escape(name)}(?!\w)", "--" + name.replace("_", "-"), text)
+        return UserError(text)
 
 
 @dataclass
@@ -138,13 +145,17 @@ class TrainConfig:
         if self.lopti_moments not in LOPTI_MOMENTS:
             message = f"lopti_moments must be one of {LOPTI_MOMENTS}, got {self.lopti_moments!r}"
             raise ConfigError("lopti_moments", message)
-        if self.lopti and self.eta == 0:  # eta 0 is "Lopti off", as OpenRLHF's --algo.lopti.eta 0
+        # eta 0 is "Lopti off", as OpenRLHF's --algo.lopti.eta 0; with a quantile it is eta unset (algo.lopti_settings)
+        if self.lopti and self.eta == 0 and self.lopti_quantile is None:
             raise ConfigError("eta", "eta 0 means Lopti off (as --algo.lopti.eta 0 in the OpenRLHF CLI), but lopti "
                               "is on (--lopti or a lopti --method): give eta in (0, 1], or turn Lopti off")  # fmt: skip
         try:  # algo's rules: eta and lopti_quantile are two thresholds, refused together; no order without Lopti
             self.lopti_settings  # noqa: B018
         except ValueError as e:
-            raise ConfigError(str(e).split("=", 1)[0], str(e)) from None
+            message = str(e)
+            name = message.split("=", 1)[0]
+            others = [key for key in LOPTI_KEYS if key != name and re.search(rf"\b{key}=", message)]
+            raise ConfigError(name, message, others) from None
         positive_ints = ("steps", "prompts_per_step", "n_samples", "max_new_tokens", "mini_batch_size", "epochs")
         for name in positive_ints + ("save_every", "eval_n_samples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -232,8 +243,7 @@ class TrainConfig:
     @property
     def lopti_settings(self) -> Optional[LoptiSettings]:
         """The round's settings (``algo.lopti_settings``), or None without Lopti."""
-        keys = ("eta", "lopti_quantile", "lopti_order")
-        return lopti_settings(self.lopti, self.eta, self.lopti_order, self.lopti_quantile, keys)
+        return lopti_settings(self.lopti, self.eta, self.lopti_order, self.lopti_quantile, LOPTI_KEYS)
 
     @property
     def method(self) -> str:

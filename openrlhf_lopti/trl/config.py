@@ -85,7 +85,10 @@ class LoptiGRPOConfig(GRPOConfig):
         except ValueError as error:
             raise ValueError(f"ar_alpha: {error}") from None
         if self.lopti:
-            eta = 0.5 if self.lopti_eta is None else self.lopti_eta
+            # lopti_eta None, or 0 with a quantile, is eta unset (algo.lopti_settings; OpenRLHF's --algo.lopti.eta 0)
+            zero = self.lopti_eta == 0 and not isinstance(self.lopti_eta, bool)
+            unset = self.lopti_eta is None or (zero and self.lopti_quantile is not None)
+            eta = 0.5 if unset else self.lopti_eta
             try:
                 check_lopti_args(eta, self.lopti_order, self.lopti_quantile)
             except ValueError as error:
