@@ -168,20 +168,27 @@ def format_table(results: list) -> str:
 
 def main(argv: Optional[list] = None) -> int:
     """Entry point (``openrlhf-lopti bench``-style): prints the comparison table; 0 on success."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from openrlhf_lopti.errors import ArgumentParser, UserError
+    from openrlhf_lopti.runs import prepare_out_file
+
+    parser = ArgumentParser(prog="bench_cpu_policy_loss.py", description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=2048, help="tokens (rows of the logits)")
     parser.add_argument("--v", type=int, default=32000, help="vocab size")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--repeats", type=int, default=5, help="timed forward+backward passes per variant")
     parser.add_argument("--json", help="also write the raw results to this file")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     parser.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.n < 1 or args.v < 1 or args.repeats < 1:
-        parser.error("--n, --v and --repeats must be >= 1")
+    for name in ("n", "v", "repeats"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} {getattr(args, name)}: must be an integer >= 1")
 
     if args.worker:
         print(json.dumps(_worker(args.worker, args.dtypes[0], args.n, args.v, args.repeats)))
         return 0
+    # checked before the run (minutes): an existing file is kept unless --overwrite, a folder is refused
+    json_path = prepare_out_file(args.json, overwrite=args.overwrite, out_flag="--json") if args.json else None
 
     start = time.perf_counter()
     results = run(args.n, args.v, args.dtypes, args.repeats)
@@ -195,11 +202,16 @@ def main(argv: Optional[list] = None) -> int:
     print(f"peak = growth of peak RSS over the inputs ({results[0]['peak_method']}), fresh process per variant")
     print(format_table(results))
     print(f"(bench took {time.perf_counter() - start:.0f} s)")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
+    if json_path is not None:
+        try:
+            with open(json_path, "w", encoding="utf-8") as f:
+                json.dump(results, f, indent=2)
+        except OSError as e:  # the folder went away during the run
+            raise UserError(f"--json {json_path}: cannot write there ({e.strerror or e})") from None
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from openrlhf_lopti.errors import run_command
+
+    sys.exit(run_command("bench_cpu_policy_loss.py", main, sys.argv[1:]))

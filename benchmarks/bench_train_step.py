@@ -700,8 +700,9 @@ def resolve_args(argv: Optional[list]):
     for name in ("warmup", "openrlhf_warmup", "threads"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.hidden_size % args.heads:
-        raise UserError(f"--hidden-size {args.hidden_size} must be divisible by --heads {args.heads}")
+    from openrlhf_lopti.demo.tiny_model import check_head_size
+
+    check_head_size(args.hidden_size, args.heads)  # a whole, even head size (Llama's rotary embedding)
     if not args.sharpen > 0 or not args.temperature > 0 or not args.lr > 0:
         raise UserError("--sharpen, --temperature and --lr must be > 0")
     if not 0 < args.eta <= 1:

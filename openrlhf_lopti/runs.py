@@ -18,6 +18,7 @@ import fnmatch
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -60,6 +61,35 @@ def _check_inputs(out: Path, names: Sequence[str], out_flag: str, inputs: Inputs
                 )
 
 
+def check_can_write(path: str | Path, out_flag: str = "--out", *, file: bool = False) -> None:
+    """Refuse, before any work, a folder ``path`` that cannot be created or written: a folder on the way that is
+    a file, or a place that takes no new entry (no permission, a read-only or virtual file system such as /proc).
+    ``file``: ``path`` is an output file, whose folder is checked.
+
+    Probes the nearest existing folder of ``path`` (``path`` itself when it exists) by making and removing a
+    hidden temporary folder there; nothing is left behind.
+
+    Raises:
+        UserError: ``<out_flag> <path>: cannot write there (<why>)``.
+    """
+    path = Path(path)
+    folder = path.parent if file else path
+    while not (folder.exists() or folder.is_symlink()):  # exists() is False below a file, too
+        if folder.parent == folder:
+            break
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"{out_flag} {path}: cannot write there ({folder} is a file, not a folder)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".openrlhf-lopti-probe-", dir=folder))
+    except OSError as e:
+        raise UserError(f"{out_flag} {path}: cannot write there ({e.strerror or e} in {folder})") from None
+
+
+def _write_error(out_flag: str, path: Path, e: OSError) -> UserError:
+    return UserError(f"{out_flag} {path}: cannot write there ({e.strerror or e})")
+
+
 def check_out_dir(
     out: str | Path,
     names: Sequence[str],
@@ -70,12 +100,14 @@ def check_out_dir(
     inputs: Inputs = (),
     out_flag: str = "--out",
 ) -> list[Path]:
-    """The checks of :func:`prepare_out_dir` without touching anything; returns the outputs it would remove."""
+    """The checks of :func:`prepare_out_dir` without changing anything (:func:`check_can_write` probes the folder);
+    returns the outputs it would remove."""
     out = Path(out)
     if resume and overwrite:
         raise UserError("--resume and --overwrite exclude each other: --resume keeps the run, --overwrite replaces it")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out_flag} {out}: is a file; {out_flag} takes a folder")
+    check_can_write(out, out_flag)
     _check_inputs(out, names, out_flag, inputs)
     found = _existing(out, names) if out.is_dir() and not resume else []
     if found and not overwrite:
@@ -115,13 +147,16 @@ def prepare_out_dir(
     """
     found = check_out_dir(out, names, overwrite=overwrite, resume=resume, can_resume=can_resume, inputs=inputs,
                           out_flag=out_flag)  # fmt: skip
-    for path in found:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        for path in found:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a folder on the way that is a file, no permission, a read-only file system
+        raise _write_error(out_flag, out, e) from None
     return out
 
 
@@ -135,7 +170,13 @@ def prepare_out_file(path: str | Path, *, overwrite: bool, inputs: Inputs = (), 
             raise UserError(f"{out_flag} {path} is also {flag}: it would overwrite that input; pick another {out_flag}")
     if path.exists() and not overwrite:
         raise UserError(f"{out_flag} {path} exists: pass --overwrite to replace it, or choose another {out_flag}")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UserError(f"{out_flag} {path}: cannot write there (the file is read-only)")
+    check_can_write(path, out_flag, file=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _write_error(out_flag, path, e) from None
     return path
 
 

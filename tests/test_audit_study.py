@@ -257,3 +257,46 @@ def test_paired_vs_grpo_is_method_minus_grpo_seed_by_seed_with_its_t_interval(tm
     assert "-0.020 [-0.045, +0.005]" in text and "+0.050 [+0.025, +0.075] *" in text  # Fig. 3, AR - GRPO
     compared = compare_markdown([("s", result)])
     assert "| s | AdamW lr 0.0005 | 3 | ar - grpo | +0.110 [+0.085, +0.135] * | +2.000 [-0.484, +4.484] |" in compared
+
+
+def test_overwrite_removes_the_studys_runs_and_logs_but_not_the_users_files_beside_them(tmp_path):
+    """study --help: --overwrite "removes only the study's own files"; runs/ and logs/ may hold the user's too."""
+    out = tmp_path / "s"
+    for name in ("runs/grpo/seed0/metrics.jsonl", "warmup/seed0/warmup.json", "logs/grpo-seed0.log",
+                 "logs/warmup-seed0.log", "logs/ar_lopti-seed1.log", "study.json"):  # fmt: skip
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("old study")
+    (out / SETTINGS_FILE).write_text(json.dumps({"steps": 3}))
+    (out / "runs" / "mine.txt").write_text("mine")
+    (out / "logs" / "mylog.txt").write_text("mine")
+    (out / "runs" / "grpo" / "notes.md").write_text("mine")
+    open_study(out, {"steps": 4}, overwrite=True)
+    left = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert left == ["logs/mylog.txt", "runs/grpo/notes.md", "runs/mine.txt", SETTINGS_FILE]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("not json", "its study.json is not valid JSON"),
+    ('{"train_config": {}}', "its study.json is not a study's result"),
+    ("[1, 2]", "its study.json is not a study's result"),
+])  # fmt: skip
+def test_compare_of_a_broken_study_json_is_one_line(tmp_path, capsys, text, message):
+    (tmp_path / "sc1").mkdir()
+    (tmp_path / "sc1" / "study.json").write_text(text)
+    assert cli_main(["study", "--compare", str(tmp_path / "sc1")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"openrlhf-lopti study: error: --compare {tmp_path / 'sc1'}: "), err
+    assert message in err[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "1e-320"], "--temperature "),
+    (["--lr", "1e39"], "--lr "),
+    (["--hidden-size", "12"], "--hidden-size 12: must be a multiple of 8 (4 attention heads of an even size"),
+])  # fmt: skip
+def test_bad_setting_names_its_own_flag_not_train_args(tmp_path, capsys, flags, message):
+    out = tmp_path / "s3"
+    assert cli_main(["study", "--out", str(out), "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"openrlhf-lopti study: error: {message}"), err
+    assert "--train-args" not in err[0] and not out.exists()

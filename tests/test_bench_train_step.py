@@ -107,6 +107,8 @@ def test_out_folder_is_refused_then_replaced_with_overwrite(tiny_run):
         (["--micro-batch-size", "3", "--mini-batch-size", "4"], "--micro-batch-size 3 must divide"),
         (["--eta", "0"], "--eta must be in (0, 1]"),
         (["--model", "/nonexistent"], "--model /nonexistent: no such folder"),
+        (["--hidden-size", "6", "--heads", "2"], "--hidden-size 6: with --heads 2 the head size is 3, which Llama's "
+         "rotary embedding cannot take"),
     ],
 )
 def test_bad_flags_are_one_line_errors_naming_the_flag(flags, message):
@@ -345,3 +347,18 @@ def test_real_shape_render_reprints_the_tables(real_run, capsys):
     assert "| fused_lm_head | lopti/grpo | tiny |" in printed and "| logits_kernel | lopti/grpo | tiny |" in printed
     with pytest.raises(UserError, match="--render /nonexistent.json: cannot read a report"):
         real.main(["--render", "/nonexistent.json"])
+
+
+def test_bench_cpu_policy_loss_keeps_an_existing_json_and_refuses_a_folder(tmp_path):
+    """`bench_cpu_policy_loss.py --json mine.json` wrote over the file silently; a folder was a traceback after the
+    run. Both are refused before the run (as bench_memory's --json)."""
+    from benchmarks.bench_cpu_policy_loss import main as cpu_bench
+
+    mine = tmp_path / "mine.json"
+    mine.write_text("mine")
+    small = ["--n", "1", "--v", "2", "--repeats", "1"]
+    with pytest.raises(UserError, match=r"^--json .*mine.json exists: pass --overwrite to replace it, or choose "):
+        cpu_bench([*small, "--json", str(mine)])
+    assert mine.read_text() == "mine"
+    with pytest.raises(UserError, match=r"^--json .*: is a folder; --json takes a file name$"):
+        cpu_bench([*small, "--json", str(tmp_path)])

@@ -339,3 +339,176 @@ def test_audit_refuses_its_own_earlier_outputs_without_suggesting_resume(tmp_pat
         "to replace them (only these are removed), or choose another --out"
     )
     assert snapshot(out) == before
+
+
+# ------------------------------------------------------------------------ output folders that cannot be made
+
+
+def out_commands(tmp_path, model_dir):
+    """``(command, argv before --out, the --out under a file)`` of every command that writes a folder or a file."""
+    gens = write_jsonl(tmp_path / "gens.jsonl", [{"label": "(1) Alice is a knight", "response": "x"}])
+    math_in = write_jsonl(tmp_path / "q.jsonl", [{"problem": "1+1", "answer": "2"}])
+    return [
+        ("train", ["train", "--model", str(model_dir), "--device", "cpu", "--loss-backend", "torch"], "sub"),
+        ("eval", ["eval", "--task", "kk", "--generations", str(gens)], "sub"),
+        ("data", ["data", "kk", "--people", "3", "--train-per-n", "1", "--test-per-n", "1"], "sub"),
+        ("data", ["data", "math", "--input", str(math_in), "--benchmark", "t"], "x.jsonl"),
+        ("audit", ["audit", "--prompts", "1", "--n-samples", "2", "--warmup-steps", "1"], "sub"),
+        ("demo", ["demo", "--methods", "grpo", "--device", "cpu"], "sub"),
+        ("study", ["study", "--no-progress"], "sub"),
+        ("tiny-model", ["tiny-model"], "sub"),
+    ]
+
+
+def test_an_out_below_a_file_is_one_line_in_every_command(tmp_path, capsys, model_dir):
+    """`--out afile/sub` was a NotADirectoryError (FileExistsError for `data math`) traceback in every command."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for command, argv, name in out_commands(tmp_path, model_dir):
+        out = afile / name
+        assert fails(capsys, [*argv, "--out", str(out)]) == (
+            f"openrlhf-lopti {command}: error: --out {out}: cannot write there ({afile} is a file, not a folder)"
+        ), argv
+    assert afile.read_text() == "mine"
+
+
+def test_an_out_where_nothing_can_be_made_is_one_line(tmp_path, capsys):
+    """`tiny-model --out /proc/x` trained the tokenizer, then failed in save_pretrained with a FileNotFoundError."""
+    import os
+
+    try:
+        os.mkdir("/proc/openrlhf-lopti-test")
+    except OSError:
+        pass
+    else:  # pragma: no cover - /proc takes new folders here: nothing to test
+        os.rmdir("/proc/openrlhf-lopti-test")
+        pytest.skip("/proc takes a new folder on this machine")
+    assert fails(capsys, ["tiny-model", "--out", "/proc/x"]).startswith(
+        "openrlhf-lopti tiny-model: error: --out /proc/x: cannot write there ("
+    )
+
+
+# ------------------------------------------------------------------------------- tiny-model, resume, audit, eval
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--hidden-size", "6", "--heads", "2"], "--hidden-size 6: with --heads 2 the head size is 3, which Llama's "
+     "rotary embedding cannot take: give a head size that is even (e.g. --hidden-size 8)"),
+    (["--seed", "99999999999999999999999"], "--seed 99999999999999999999999: must be an integer with |seed| < 2**40"),
+    (["--vocab-size", "1"], "--vocab-size 1: must be at least 259 (the byte-level BPE's 256 byte tokens and 3 special "
+     "tokens), or leave it out for every id"),
+])  # fmt: skip
+def test_tiny_model_refuses_what_it_would_build_wrong(tmp_path, capsys, flags, message):
+    """An odd head size made a model whose training crashed in apply_rotary_pos_emb; a huge seed was reported as a
+    --vocab-size error; --vocab-size 1 silently gave 259 ids."""
+    out = tmp_path / "t"
+    assert fails(capsys, ["tiny-model", "--out", str(out), *flags]) == f"openrlhf-lopti tiny-model: error: {message}"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("saved", ["[1, 2]", "null", '"text"'])
+def test_train_resume_of_a_config_that_is_not_an_object_is_one_line(tmp_path, capsys, saved):
+    out = tmp_path / "rj"
+    out.mkdir()
+    (out / "config.json").write_text(saved)
+    kind = {"[1, 2]": "list", "null": "NoneType", '"text"': "str"}[saved]
+    assert fails(capsys, ["train", "--resume", "--out", str(out)]) == (
+        f"openrlhf-lopti train: error: --resume: {out / 'config.json'} holds a JSON {kind}, not the run's settings "
+        "(an object of flag names and values, as train writes it); --overwrite to start again"
+    )
+    assert (out / "config.json").read_text() == saved
+
+
+@pytest.mark.parametrize("record", ["[1]", '{"parameters": 1}', '{"parameters": 1, "warmup_steps": 1, '
+                                    '"warmup_final_loss": 1, "baseline": {"accuracy": 0}, "settings": [1]}'])
+def test_demo_resume_of_a_broken_warmup_record_is_one_line(tmp_path, capsys, record):
+    out = tmp_path / "dres"
+    (out / "warmup_model").mkdir(parents=True)
+    (out / "warmup.json").write_text(record)
+    line = fails(capsys, ["demo", "--resume", "--out", str(out), "--methods", "grpo", "--device", "cpu"])
+    assert line.startswith(f"openrlhf-lopti demo: error: --resume: {out / 'warmup.json'}") and "--overwrite" in line
+    assert (out / "warmup.json").read_text() == record
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--warmup-target", "nan"], "--warmup-target must be an accuracy in [0, 1], got nan"),
+    (["--warmup-target", "5"], "--warmup-target must be an accuracy in [0, 1], got 5.0"),
+    (["--warmup-steps", "-3"], "--warmup-steps must be >= 1, got -3"),
+    (["--warmup-steps", "0"], "--warmup-steps must be >= 1, got 0"),
+    (["--seed", "99999999999999999999"], "--seed must be an integer with |seed| < 2**40, got 99999999999999999999"),
+])  # fmt: skip
+def test_audit_checks_the_warm_up_flags_before_building_the_model(tmp_path, capsys, flags, message):
+    """Without --model, audit warms the demo model up first: the demo's checks, before the model is built."""
+    out = tmp_path / "au"
+    cheap = ["--prompts", "1", "--n-samples", "2", "--max-new-tokens", "1", "--param-grad-tokens", "0",
+             "--methods", "grpo", "--device", "cpu", "--threads", "1"]  # fmt: skip
+    assert fails(capsys, ["audit", "--out", str(out), *cheap, *flags]) == f"openrlhf-lopti audit: error: {message}"
+    assert not out.exists()
+
+
+def test_audit_with_a_model_checks_the_seed_before_loading_it(tmp_path, capsys, model_dir):
+    out = tmp_path / "au"
+    assert fails(capsys, ["audit", "--model", str(model_dir), "--out", str(out), "--seed", "-99999999999999999999"]) == (
+        "openrlhf-lopti audit: error: --seed must be an integer with |seed| < 2**40, got -99999999999999999999"
+    )
+
+
+@pytest.mark.parametrize("prompt", [[], ["hello"], [{"role": "user"}], [{"role": "user", "content": 3}], 7])
+def test_eval_refuses_a_prompt_that_is_not_text_or_chat_messages(tmp_path, capsys, model_dir, prompt):
+    """`"prompt": []` was a transformers traceback; ["hello"] or [{"role": "user"}] rendered as garbage."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "fine", "label": "(1) Alice is a knight"},
+                                              {"prompt": prompt, "label": "(1) Alice is a knight"}])  # fmt: skip
+    out = tmp_path / "ev"
+    argv = ["eval", "--task", "kk", "--model", str(model_dir), "--data", str(data), "--out", str(out),
+            "--max-new-tokens", "2"]  # fmt: skip
+    assert fails(capsys, argv) == (
+        f"openrlhf-lopti eval: error: {data} line 2: 'prompt' must be a string or a list of {{'role', 'content'}} "
+        f"chat messages, got {json.dumps(prompt)}"
+    )
+    assert not out.exists()
+
+
+def test_eval_seed_out_of_range_and_a_missing_label_key(tmp_path, capsys, model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "label": "(1) Alice is a knight"}])
+    out = tmp_path / "ev"
+    argv = ["eval", "--task", "kk", "--model", str(model_dir), "--data", str(data), "--out", str(out),
+            "--max-new-tokens", "2"]  # fmt: skip
+    assert fails(capsys, argv + ["--seed", "99999999999999999999"]) == (
+        "openrlhf-lopti eval: error: --seed must be an integer with |seed| < 2**63, got 99999999999999999999"
+    )
+    assert not out.exists()  # (was left behind, empty)
+    gens = write_jsonl(tmp_path / "g.jsonl", [{"label": "(1) Alice is a knight", "response": "x"}])
+    assert fails(capsys, ["eval", "--task", "kk", "--generations", str(gens), "--label-key", "nope",
+                          "--out", str(out)]) == (  # fmt: skip
+        f"openrlhf-lopti eval: error: {gens} line 1: no 'nope' key (the row has label, response); pass --label-key "
+        "with the right field name"
+    )
+
+
+def test_verl_cpu_overrides_usage_error_is_one_line():
+    """``cpu_overrides.py --ngpus x`` printed argparse's usage and the error (3 lines); run by path, as the launch
+    script runs it."""
+    from pathlib import Path
+
+    import openrlhf_lopti
+
+    script = Path(openrlhf_lopti.__file__).parent / "verl" / "cpu_overrides.py"
+    result = subprocess.run([sys.executable, str(script), "--ngpus", "x"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "cpu_overrides.py: error: argument --ngpus: invalid int value: 'x' (see `cpu_overrides.py --help`)"
+    ]
+
+
+def test_data_refuses_an_empty_kk_set_and_an_empty_benchmark_name(tmp_path, capsys):
+    out = tmp_path / "kk"
+    assert fails(capsys, ["data", "kk", "--out", str(out), "--people", "3", "--train-per-n", "0",
+                          "--test-per-n", "0"]) == (  # fmt: skip
+        "openrlhf-lopti data: error: --train-per-n 0 --test-per-n 0: nothing to write; give at least one of them > 0"
+    )
+    math_in = write_jsonl(tmp_path / "q.jsonl", [{"problem": "1+1", "answer": "2"}])
+    assert fails(capsys, ["data", "math", "--input", str(math_in), "--benchmark", " ", "--out",
+                          str(tmp_path / "m.jsonl")]) == (  # fmt: skip
+        "openrlhf-lopti data: error: --benchmark ' ': expected a benchmark name, e.g. math500"
+    )
+    assert not out.exists() and not (tmp_path / "m.jsonl").exists()

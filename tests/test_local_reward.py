@@ -125,3 +125,13 @@ def test_the_packages_reward_files_load_and_score(tmp_path):
     out = RewardFile(reward_kk.__file__)(["P" + right], ["P"], [p["solution_text_format"]], "step 1")
     assert out.rewards.tolist() == [kk.reward(right, p["solution_text_format"])] == [3.0]
     assert math.isclose(batch_means(out)["reward/accuracy"], 1.0)
+
+
+def test_a_reward_file_that_calls_sys_exit_is_a_user_error(tmp_path):
+    """SystemExit passed `except Exception`: `train` exited 3 with no message."""
+    with pytest.raises(UserError, match=r"r.py: importing it raised SystemExit: 3$"):
+        reward_file(tmp_path, "import sys\nsys.exit(3)\n")
+    reward = reward_file(tmp_path, "import sys\ndef reward_func(queries, prompts, labels):\n    sys.exit(3)\n")
+    with pytest.raises(UserError) as e:
+        reward(["a"], ["p"], ["l"], "step 2")
+    assert str(e.value) == f"--reward-file {tmp_path / 'r.py'}: reward_func raised SystemExit: 3 (step 2, 1 responses)"

@@ -97,3 +97,44 @@ def test_the_cpu_commands_run_as_written(line, words, tmp_path):
     assert all(n > 0 for n in logged("lopti/high/tokens"))
     out = tmp_path / example_module().parse_args(argv).output_dir
     assert (out / "model.safetensors").exists() and (out / "initial" / "model.safetensors").exists()
+
+
+def refused(capsys, argv) -> str:
+    """Run the example's command line in this process (no training); assert exit code 2 and one line on stderr."""
+    from openrlhf_lopti.errors import run_command
+
+    example = example_module()
+    assert run_command(example.PROG, example.main, argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lopti-eta", "nan"], "--lopti-eta nan: expected a number in (0, 1] (a negative value turns Lopti off)"),
+    (["--lopti-eta", "inf"], "--lopti-eta inf: expected a number in (0, 1] (a negative value turns Lopti off)"),
+    (["--max-steps", "1"], "--max-steps=1 would stop between the two Lopti phases of a round"),
+    (["--ar-alpha", "2"], "--ar-alpha: "),
+])  # fmt: skip
+def test_bad_settings_are_one_line_before_anything_is_written(tmp_path, capsys, flags, message):
+    """--lopti-eta nan trained with Lopti silently off; --max-steps 1 and --ar-alpha 2 were tracebacks raised after
+    the CPU rehearsal had warmed up and written <output-dir>/initial/."""
+    out = tmp_path / "trl"
+    line = refused(capsys, ["--cpu", "--output-dir", str(out), *flags])
+    assert line.startswith(f"train_kk_grpo_ar_lopti.py: error: {message}"), line
+    assert not out.exists()
+
+
+def test_an_output_dir_with_files_is_refused_unless_overwrite(tmp_path, capsys):
+    """A second run into the same --output-dir rewrote initial/ and TRL's model without a word."""
+    out = tmp_path / "trl"
+    (out / "initial").mkdir(parents=True)
+    (out / "initial" / "config.json").write_text("mine")
+    assert refused(capsys, ["--cpu", "--output-dir", str(out)]) == (
+        f"train_kk_grpo_ar_lopti.py: error: --output-dir {out} holds files already (initial): an earlier run's "
+        "initial/ and model would be replaced; pass --overwrite to write there anyway, or choose another --output-dir"
+    )
+    assert (out / "initial" / "config.json").read_text() == "mine"
+    # with --overwrite the folder is taken: the next refusal is the config's, not the folder's
+    line = refused(capsys, ["--cpu", "--output-dir", str(out), "--overwrite", "--max-steps", "1"])
+    assert "--max-steps=1" in line and (out / "initial" / "config.json").read_text() == "mine"

@@ -72,7 +72,10 @@ def parse_report(report: dict) -> list[Pick]:
     if str(report.get("version")) != "1":
         raise ValueError(f"unsupported pip report version {report.get('version')!r} (expected '1')")
     picks = []
-    for item in report.get("install", []):
+    install = report.get("install", [])
+    if not isinstance(install, list) or not all(isinstance(item, dict) for item in install):
+        raise ValueError("'install' must be a list of objects (pip's report format 1)")
+    for item in install:
         meta = item.get("metadata") or {}
         if "name" not in meta or "version" not in meta:
             raise ValueError(f"a report entry without metadata name/version: {item.get('download_info')}")
@@ -269,8 +272,24 @@ def resolve(reqs: list[str], workdir: Path, python: str, build_torch: str, use_p
     return json.loads(report.read_text()), traffic_summary(traffic(log.read_text(errors="replace")))
 
 
+def read_report(path: Path, ap: argparse.ArgumentParser) -> dict:
+    """The JSON object of a ``pip install --report`` file; a one-line error (exit 2) for anything else."""
+    hint = "pass a report `pip install --dry-run --report FILE` wrote (or --save-report)"
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        ap.exit(2, f"{ap.prog}: error: --parse {path}: no such file; {hint}\n")
+    except (OSError, UnicodeDecodeError) as e:
+        ap.exit(2, f"{ap.prog}: error: --parse {path}: cannot read it ({getattr(e, 'strerror', None) or e}); {hint}\n")
+    except json.JSONDecodeError as e:
+        ap.exit(2, f"{ap.prog}: error: --parse {path}: not JSON (line {e.lineno}: {e.msg}); {hint}\n")
+    if not isinstance(report, dict):
+        ap.exit(2, f"{ap.prog}: error: --parse {path}: a JSON {type(report).__name__}, not a report object; {hint}\n")
+    return report
+
+
 def main(argv: Optional[list] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="gpu_install_check.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--extras", default=DEFAULT_EXTRAS, help=f"extras of openrlhf-lopti to resolve ({DEFAULT_EXTRAS})")
     ap.add_argument("--python", default=sys.executable, help="interpreter of the throwaway venv (its version and "
                     "platform are what pip resolves for)")  # fmt: skip
@@ -285,7 +304,7 @@ def main(argv: Optional[list] = None) -> int:
     args = ap.parse_args(argv)
 
     if args.parse:
-        report = json.loads(args.parse.read_text())
+        report = read_report(args.parse, ap)
     else:
         extras = [e.strip() for e in args.extras.split(",") if e.strip()]
         reqs = setup_requirements(extras)
@@ -295,7 +314,10 @@ def main(argv: Optional[list] = None) -> int:
                                       not args.no_fast_deps)
         if args.save_report:
             args.save_report.write_text(json.dumps(report, indent=1))
-    picks = parse_report(report)
+    try:
+        picks = parse_report(report)
+    except ValueError as e:
+        ap.exit(2, f"{ap.prog}: error: --parse {args.parse}: {e}\n" if args.parse else f"{ap.prog}: error: {e}\n")
     env = report.get("environment", {})
     if env:
         where = f"{env.get('sys_platform')} {env.get('platform_machine')}, Python {env.get('python_full_version')}"

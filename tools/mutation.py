@@ -216,8 +216,30 @@ def write_report(report: dict, out: Path) -> None:
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
+MARKER = ".mutation-out"  # written into --out: the folder is this tool's, whose tree/ and <module>/ it replaces
+OWN_NAMES = {MARKER, "tree", "report.json", "report.md", *MODULES}
+
+
+def out_problem(out: Path, tree: Path) -> str:
+    """Why ``--out`` may not be used ('' when it may): each run removes ``out/tree`` and ``out/<module>`` whole, so
+    ``out`` must be new, empty, this tool's (its marker file), or hold only the names the tool writes, and must not
+    hold the ``--tree`` it copies."""
+    if out.exists() and not out.is_dir():
+        return "is a file; --out takes a folder"
+    if tree == out or out in tree.parents:
+        return f"holds --tree {tree}, which a run would remove; choose an --out outside it"
+    if not out.is_dir() or (out / MARKER).exists():
+        return ""
+    names = {p.name for p in out.iterdir()}
+    if names and not (names <= OWN_NAMES and "report.json" in names):
+        shown = ", ".join(sorted(names - OWN_NAMES)[:4] or sorted(names)[:4])
+        return (f"holds files this tool did not write ({shown}); a run replaces its tree/ and <module>/ folders: "
+                "choose a new or empty folder")
+    return ""
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="mutation.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help=f"comma-separated module names, from: {', '.join(MODULES)}")
     parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
     parser.add_argument("--tree", type=Path, default=REPO, help="the project copy to test (default: this checkout)")
@@ -228,7 +250,11 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--only: unknown module(s) {unknown}; known: {', '.join(MODULES)}")
     out = args.out.resolve()
+    problem = out_problem(out, args.tree.resolve())
+    if problem:
+        parser.exit(2, f"{parser.prog}: error: --out {args.out}: {problem}\n")
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("tools/mutation.py work folder: it replaces tree/ and <module>/ here on each run\n")
     previous = out / "report.json"
     report = json.loads(previous.read_text()) if previous.exists() and args.only else {}
     tree = snapshot(args.tree.resolve(), out)

@@ -30,9 +30,9 @@ from typing import Optional
 import torch
 
 from openrlhf_lopti.algo.option_checks import check_temperature
-from openrlhf_lopti.demo.warmup import build_warm_model
+from openrlhf_lopti.demo.warmup import build_warm_model, check_warmup_flags
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
-from openrlhf_lopti.local.config import METHODS, ConfigError, TrainConfig, method_list, saved_settings
+from openrlhf_lopti.local.config import METHODS, SEED_LIMIT, ConfigError, TrainConfig, method_list, saved_settings
 from openrlhf_lopti.local.experience import make_experience
 from openrlhf_lopti.local.model import load_model, quiet_transformers
 from openrlhf_lopti.local.task import prompt_for, resolve_prompt_style, train_puzzles
@@ -246,6 +246,10 @@ def main(argv: Optional[list] = None) -> int:
         raise UserError("--optimizer checkpoint needs --checkpoint RUN_DIR (a `train` run directory)")
     if args.param_grad_tokens < 0:
         raise UserError("--param-grad-tokens must be >= 0")
+    if args.model is None and args.checkpoint is None:  # the demo model is warmed up first: demo's checks
+        check_warmup_flags(args.warmup_steps, args.warmup_target, args.seed)
+    elif not abs(args.seed) < SEED_LIMIT:  # before a model is loaded (TrainConfig checks it after)
+        raise UserError(f"--seed must be an integer with |seed| < 2**40, got {args.seed}")
     if args.people is not None:
         args.people = parse_people(args.people)  # before a model is built or loaded
     method_list(args.methods)  # checked before a model is built or loaded

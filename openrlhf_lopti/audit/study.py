@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -38,7 +39,7 @@ from typing import Optional
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
 from openrlhf_lopti.local.config import METHODS, OPTIMIZERS, method_list
 from openrlhf_lopti.local.task import people_sizes
-from openrlhf_lopti.runs import read_metrics, window_mean
+from openrlhf_lopti.runs import check_can_write, read_metrics, window_mean
 
 from .report import write_json
 from .stats import format_ci, mean_ci, paired_differences
@@ -71,9 +72,10 @@ SETTING_DEFAULTS = {
     "lr": 5e-4,
     "eval_prompts": 200,  # held-out puzzles for the final greedy accuracy
 }
+STUDY_HEADS = 4  # the tiny Llama's attention heads (demo.warmup.build_warm_model's)
 SETTING_HELP = {
     "temperature": "sampling temperature, also applied in the loss",
-    "hidden_size": "width of the tiny Llama (a multiple of 4)",
+    "hidden_size": "width of the tiny Llama (a multiple of 8: 4 heads of an even size)",
     "num_layers": "layers of the tiny Llama",
     "warmup_target": "stop the supervised warm-up at this greedy validation accuracy (0: run all its steps)",
     "warmup_steps": "most supervised warm-up steps",
@@ -188,8 +190,9 @@ def check_setting(setting: dict) -> None:
     for name in ("temperature", "lr"):
         if not (math.isfinite(setting[name]) and setting[name] > 0):
             raise UserError(f"--{name} must be a number > 0, got {setting[name]}")
-    if setting["hidden_size"] % 4:
-        raise UserError(f"--hidden-size must be a multiple of 4 (attention heads), got {setting['hidden_size']}")
+    if setting["hidden_size"] % (2 * STUDY_HEADS):  # heads of an even size: Llama's rotary embedding rotates pairs
+        raise UserError(f"--hidden-size {setting['hidden_size']}: must be a multiple of {2 * STUDY_HEADS} "
+                        f"({STUDY_HEADS} attention heads of an even size, for the rotary embedding)")  # fmt: skip
     run_config(setting)
 
 
@@ -214,7 +217,9 @@ def run_config(setting: dict, out: Path = Path("study"), method: str = "grpo", s
     argv = [a for a in train_command(out, setting, method, seed)[4:] if a not in ("--resume", "--overwrite")]
     try:
         return config_from_args(train_parser().parse_args(argv))
-    except UserError as e:
+    except UserError as e:  # a study flag's value names itself; one from --train-args is told where it came from
+        if not setting["train_args"]:
+            raise
         raise UserError(f"--train-args {setting['train_args']!r}: {e}") from None
 
 
@@ -229,15 +234,17 @@ def max_new_tokens(people: list) -> int:
 def open_study(out: Path, setting: dict, overwrite: bool) -> None:
     """Accept ``out`` (an existing folder, locked by :func:`lock_study`) for this setting: a new study, or the
     same study to resume; a different study there is refused unless ``overwrite`` (which removes
-    :data:`STUDY_OUTPUTS` only)."""
+    :func:`study_files` only: a user's own files in ``runs/`` or ``logs/`` stay)."""
     full = {**SETTING_EXTRAS, **setting}  # a setting written before an extra existed ran with its default
     saved_path = out / SETTINGS_FILE
-    ours = [name for name in STUDY_OUTPUTS if (out / name).exists() and name != LOCK_FILE]
+    ours = study_files(out)
+    folders = [out / RUNS_DIR / m for m in METHODS] + [out / RUNS_DIR, out / WARMUP_DIR, out / LOGS_DIR]
     if saved_path.exists():
         try:
-            saved = {**SETTING_EXTRAS, **json.loads(saved_path.read_text())}
-        except json.JSONDecodeError:
+            saved = json.loads(saved_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
             saved = None
+        saved = {**SETTING_EXTRAS, **saved} if isinstance(saved, dict) else None
         if saved == full:
             return  # the same study: resume it
         if not overwrite:
@@ -246,15 +253,34 @@ def open_study(out: Path, setting: dict, overwrite: bool) -> None:
                 f"--out {out} holds a different study (settings differ: {', '.join(diff)}): pass --overwrite "
                 "to replace it (only the study's own files are removed), or another --out"
             )
-    elif ours and not overwrite:
+    elif not overwrite and (ours or any(f.is_dir() for f in folders)):  # a study's files, or its empty folders
+        there = ours + [f for f in folders if f.is_dir()]
+        shown = ", ".join(str(p.relative_to(out)) for p in there[:4]) + (", ..." if len(there) > 4 else "")
         raise UserError(
-            f"--out {out} holds {', '.join(ours)} but no {SETTINGS_FILE}: not a study this command can resume; "
+            f"--out {out} holds {shown} but no {SETTINGS_FILE}: not a study this command can resume; "
             "pass --overwrite to replace those (only they are removed), or another --out"
         )
-    for name in ours:
-        path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in ours:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    for folder in folders:
+        try:  # the study's folders go when they are empty; a user's file in one keeps it
+            folder.rmdir()
+        except OSError:
+            pass
     (out / SETTINGS_FILE).write_text(json.dumps(setting, indent=2) + "\n")
+
+
+def study_files(out: Path) -> list:
+    """The study's own files and folders in ``out`` (what ``--overwrite`` removes): the settings and results, each
+    ``warmup/seed<k>``, ``runs/<method>/seed<k>`` and the jobs' logs, and nothing else the user keeps there."""
+    seed = re.compile(r"seed\d+")
+    found = [out / name for name in (SETTINGS_FILE, *RESULT_FILES)]
+    found += [p for p in sorted((out / WARMUP_DIR).glob("seed*")) if seed.fullmatch(p.name)]
+    for method in METHODS:
+        found += [p for p in sorted((out / RUNS_DIR / method).glob("seed*")) if seed.fullmatch(p.name)]
+    logs = re.compile(r"(warmup|" + "|".join(re.escape(m.replace("+", "_")) for m in METHODS) + r")-seed\d+\.log")
+    found += [p for p in sorted((out / LOGS_DIR).glob("*.log")) if logs.fullmatch(p.name)]
+    return [p for p in found if p.exists() or p.is_symlink()]
 
 
 def lock_study(out: Path):
@@ -264,8 +290,12 @@ def lock_study(out: Path):
 
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: is a file; --out takes a folder")
-    out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / LOCK_FILE, "w")
+    check_can_write(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        handle = open(out / LOCK_FILE, "w")
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -650,8 +680,17 @@ def read_result(out: Path) -> dict:
     path = out / "study.json"
     if not path.is_file():
         raise UserError(f"--compare {out}: no study.json in it (not a study folder, or the study has not finished)")
-    result = json.loads(path.read_text())
-    if "train_config" not in result or "pos_up_q4_first" not in result["per_method"][result["methods"][0]]:
+    try:
+        result = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"--compare {out}: its study.json is not valid JSON ({e}); run the study command on the "
+                        "folder again to rewrite it (finished runs are kept)") from None  # fmt: skip
+    keys = ("setting", "seeds", "methods", "per_method", "paired_vs_grpo")
+    if not isinstance(result, dict) or any(k not in result for k in keys) or not result["methods"]:
+        raise UserError(f"--compare {out}: its study.json is not a study's result (a JSON object with "
+                        f"{', '.join(keys)}); run the study command on the folder again to rewrite it")  # fmt: skip
+    first = result["per_method"].get(result["methods"][0]) if isinstance(result["per_method"], dict) else None
+    if "train_config" not in result or not isinstance(first, dict) or "pos_up_q4_first" not in first:
         raise UserError(f"--compare {out}: its study.json was written by an older version; run the study command "
                         "on the folder again to rewrite it (finished runs are kept)")  # fmt: skip
     return result

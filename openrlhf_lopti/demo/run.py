@@ -29,7 +29,7 @@ from openrlhf_lopti.local.task import eval_puzzles, prompt_for
 from openrlhf_lopti.local.trainer import LocalTrainer, check_loss_backend, resolve_device
 from openrlhf_lopti.runs import prepare_out_dir, window_mean
 
-from .warmup import build_warm_model
+from .warmup import build_warm_model, check_warmup_flags
 
 WARMUP_DIR = "warmup_model"
 # Everything the demo writes into --out: exactly what --overwrite removes (each run folder as a whole).
@@ -156,8 +156,7 @@ def main(argv: Optional[list] = None) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.threads < 0:
         raise UserError(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
-    if not 0.0 <= args.warmup_target <= 1.0:
-        raise UserError(f"--warmup-target must be an accuracy in [0, 1], got {args.warmup_target}")
+    check_warmup_flags(args.warmup_steps, args.warmup_target, args.seed)
     for method in methods:  # every run's settings, checked before the warm-up spends minutes and writes its model
         try:
             method_config(Path(args.out or "runs/demo"), method, args)
@@ -188,6 +187,13 @@ def _run_demo(args: argparse.Namespace, methods: list) -> int:
         except json.JSONDecodeError as e:
             raise UserError(f"--resume: {facts_path} line {e.lineno} is not valid JSON ({e.msg}): start again with "
                             "--overwrite") from None  # fmt: skip
+        needed = ("parameters", "warmup_steps", "warmup_final_loss", "baseline")
+        whole = isinstance(facts, dict) and all(k in facts for k in needed)
+        if not whole or not isinstance(facts["baseline"], dict) or "accuracy" not in facts["baseline"]:
+            raise UserError(f"--resume: {facts_path} is not the demo's warm-up record (a JSON object with "
+                            f"{', '.join(needed)}): start again with --overwrite")  # fmt: skip
+        if not isinstance(facts.get("settings", {}), dict):
+            raise UserError(f"--resume: {facts_path}: its 'settings' is not an object: start again with --overwrite")
         if "settings" not in facts:  # written before warmup.json recorded them
             print(f"demo: {facts_path} does not say which {', '.join(flag(n) for n in WARMUP_SETTINGS)} built it: "
                   "reusing it unchecked")  # fmt: skip

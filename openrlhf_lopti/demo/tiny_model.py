@@ -68,7 +68,8 @@ def build_tiny_llama(
 
     Args:
         tokenizer: supplies ``len(tokenizer)`` and the pad/bos/eos ids.
-        hidden_size: width (must be divisible by ``num_heads``); MLP width is ``2 * hidden_size``.
+        hidden_size: width (``num_heads`` heads of an even size, for the rotary embedding); MLP width is
+            ``2 * hidden_size``.
         num_layers, num_heads: depth and attention heads.
         max_positions: longest prompt + response, tokens.
         seed: torch seed of the initialisation.
@@ -77,6 +78,8 @@ def build_tiny_llama(
 
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
+    if (hidden_size // num_heads) % 2:  # the rotary embedding rotates pairs of dimensions
+        raise ValueError(f"hidden_size / num_heads ({hidden_size} / {num_heads}) must be an even head size")
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -171,7 +174,25 @@ def build_parser() -> ArgumentParser:
     return p
 
 
+# The fewest ids a byte-level BPE has: its 256 byte tokens and the special tokens.
+MIN_VOCAB_SIZE = 256 + len(SPECIALS)
+
+
+def check_head_size(hidden_size: int, heads: int, hidden_flag: str = "--hidden-size", heads_flag: str = "--heads") -> None:
+    """Refuse a width and head count whose head size (``hidden_size / heads``) Llama's rotary embedding cannot take
+    (it rotates pairs of dimensions: the head size must be a whole, even number)."""
+    if hidden_size % heads:
+        raise UserError(f"{hidden_flag} {hidden_size}: must be divisible by {heads_flag} ({heads})")
+    if (hidden_size // heads) % 2:
+        raise UserError(f"{hidden_flag} {hidden_size}: with {heads_flag} {heads} the head size is "
+                        f"{hidden_size // heads}, which Llama's rotary embedding cannot take: give a head size that "
+                        f"is even (e.g. {hidden_flag} {hidden_size + heads})")  # fmt: skip
+
+
 def main(argv: Optional[list] = None) -> int:
+    from openrlhf_lopti.local.config import SEED_LIMIT
+    from openrlhf_lopti.runs import check_can_write
+
     args = build_parser().parse_args(argv)
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -180,16 +201,24 @@ def main(argv: Optional[list] = None) -> int:
                         ("--vocab-size", args.vocab_size), ("--max-positions", args.max_positions)):  # fmt: skip
         if value is not None and value < 1:
             raise UserError(f"{flag} must be an integer >= 1, got {value}")
-    if args.hidden_size % args.heads:
-        raise UserError(f"--hidden-size ({args.hidden_size}) must be divisible by --heads ({args.heads})")
+    check_head_size(args.hidden_size, args.heads)
+    if args.vocab_size is not None and args.vocab_size < MIN_VOCAB_SIZE:
+        raise UserError(f"--vocab-size {args.vocab_size}: must be at least {MIN_VOCAB_SIZE} (the byte-level BPE's 256 "
+                        f"byte tokens and {len(SPECIALS)} special tokens), or leave it out for every id")  # fmt: skip
+    if not abs(args.seed) < SEED_LIMIT:
+        raise UserError(f"--seed {args.seed}: must be an integer with |seed| < 2**40")
+    check_can_write(out)  # before the tokenizer is trained and the model built
     try:
         model, tokenizer = build_tiny_model(
             args.hidden_size, args.layers, args.heads, args.max_positions, args.vocab_size, args.seed
         )
     except ValueError as exc:
         raise UserError(f"--vocab-size {args.vocab_size}: {exc}; ask for at most that many") from None
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    try:
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    except OSError as e:  # the folder went away or filled up while the model was built
+        raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     params = sum(p.numel() for p in model.parameters())
     print(f"tiny-model: {params / 1e6:.2f} M parameters, head size {args.hidden_size // args.heads}, "
           f"vocabulary {len(tokenizer)}, saved to {out}")

@@ -19,6 +19,20 @@ from openrlhf_lopti.local.task import VALID_SEED_BASE, WARMUP_SEED_BASE, compact
 from .tiny_model import build_tiny_llama, build_word_tokenizer
 
 
+def check_warmup_flags(warmup_steps: int, warmup_target: float, seed: int) -> None:
+    """The checks of the flags that build a warm-up (``--warmup-steps``, ``--warmup-target``, ``--seed``), shared
+    by every command that warms the demo model up: a :class:`UserError` naming the flag, before the model is built."""
+    from openrlhf_lopti.errors import UserError
+    from openrlhf_lopti.local.config import SEED_LIMIT
+
+    if warmup_steps < 1:
+        raise UserError(f"--warmup-steps must be >= 1, got {warmup_steps}")
+    if not 0.0 <= warmup_target <= 1.0:  # NaN too
+        raise UserError(f"--warmup-target must be an accuracy in [0, 1], got {warmup_target}")
+    if not abs(seed) < SEED_LIMIT:  # torch's generator takes 64 bits; the derived seeds need room
+        raise UserError(f"--seed must be an integer with |seed| < 2**40, got {seed}")
+
+
 def warmup_batch(tokenizer, records: list) -> tuple:
     """``(input_ids, attention_mask, labels)``, each ``[B, L]``, right-padded; labels are -100 on the
     prompt and padding so only the response (and its eos) is learned."""

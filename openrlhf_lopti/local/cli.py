@@ -135,9 +135,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     saved = Path(given["out"]) / "config.json"
     if getattr(args, "resume", False) and saved.exists():
         try:
-            values.update(json.loads(saved.read_text()))
+            values = json.loads(saved.read_text())
         except json.JSONDecodeError as e:
             raise UserError(f"--resume: {saved} line {e.lineno} is not valid JSON ({e.msg})") from None
+        except UnicodeDecodeError:
+            raise UserError(f"--resume: {saved} is not a text file; it should hold the run's settings") from None
+        if not isinstance(values, dict):  # valid JSON but [1, 2] or null: not the settings train writes
+            raise UserError(f"--resume: {saved} holds a JSON {type(values).__name__}, not the run's settings (an "
+                            "object of flag names and values, as train writes it); --overwrite to start again")  # fmt: skip
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(TrainConfig)})
         if unknown:
             raise UserError(f"--resume: {saved} has settings this version does not know: {unknown}")

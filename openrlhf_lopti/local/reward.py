@@ -56,7 +56,7 @@ class RewardFile:
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
-        except Exception as e:  # the user's code: any exception is the file's problem, shown with its type
+        except (Exception, SystemExit) as e:  # the user's code: any exception (sys.exit too) is the file's problem
             raise UserError(f"{flag} {path}: importing it raised {type(e).__name__}: {e}") from e
         func = getattr(module, "reward_func", None)
         if not callable(func):
@@ -77,7 +77,7 @@ class RewardFile:
         where = f"{self.flag} {self.path}: reward_func"
         try:
             out = self.func(list(queries), list(prompts), list(labels))
-        except Exception as e:  # the user's code
+        except (Exception, SystemExit) as e:  # the user's code; a sys.exit() there would end train without a word
             raise UserError(f"{where} raised {type(e).__name__}: {e} ({when}, {n} responses)") from e
         if isinstance(out, dict):
             if "rewards" not in out:

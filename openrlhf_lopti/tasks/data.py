@@ -238,6 +238,8 @@ def _check_counts(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 0:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
+    if args.train_per_n == 0 and args.test_per_n == 0:  # two empty files that verl.data and train refuse later
+        raise UserError("--train-per-n 0 --test-per-n 0: nothing to write; give at least one of them > 0")
     most = min(kk.MAX_PEOPLE, len(kk.NAMES))
     for n in args.people or []:
         if not 2 <= n <= most:
@@ -248,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `openrlhf-lopti data` / `python -m openrlhf_lopti.tasks.data`."""
     args = build_parser().parse_args(argv)
     if args.task == "math":
+        if not args.benchmark.strip():  # every record's group name in `eval`
+            raise UserError(f"--benchmark {args.benchmark!r}: expected a benchmark name, e.g. math500")
         inputs = [("--input", path) for path in args.input]
         out = prepare_out_file(args.out, overwrite=args.overwrite, inputs=inputs)
         rows, where = [], []

@@ -53,6 +53,7 @@ __all__ = ["build_parser", "evaluate", "format_table", "generate_local", "main"]
 
 RESULTS_FILE = "results.json"
 GENERATIONS_FILE = "generations.jsonl"
+SEED_LIMIT = 2**63  # torch.manual_seed's range (a signed 64-bit seed either way)
 
 
 def _merge(records: Iterable[dict], where: list[str] | None = None) -> list[tuple[dict, str]]:
@@ -320,6 +321,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not abs(args.seed) < SEED_LIMIT:  # torch's generator takes 64 bits; checked before --out is made
+        raise UserError(f"--seed must be an integer with |seed| < 2**63, got {args.seed}")
 
 
 def _prompt_rows(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
@@ -332,8 +335,13 @@ def _prompt_rows(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
             if key not in row:
                 keys = ", ".join(sorted(map(str, row))[:8])
                 raise UserError(f"{at}: no {key!r} key (the row has {keys}); pass {flag} with the right field name")
-        if not isinstance(row[args.input_key], (str, list)):
-            raise UserError(f"{at}: {args.input_key!r} must be a string or a list of chat messages")
+        prompt = row[args.input_key]
+        messages = isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        )  # as train's --data (local.dataset): a chat is a non-empty list of {'role', 'content'} strings
+        if not (isinstance(prompt, str) or messages):
+            raise UserError(f"{at}: {args.input_key!r} must be a string or a list of {{'role', 'content'}} chat "
+                            f"messages, got {json.dumps(prompt)[:60]}")  # fmt: skip
         _check_label(row, args.task, at, args.label_key)
     rows = [{**row, "label": row[args.label_key]} for row in rows]
     keep = first_per_group(rows, args.task, args.limit, where)
@@ -379,7 +387,12 @@ def main(argv: list[str] | None = None) -> int:
         if not rows:
             raise UserError(f"--generations {args.generations}: no rows")
         if args.label_key != "label":
-            rows = [{**r, "label": r[args.label_key]} if args.label_key in r else r for r in rows]
+            for row, at in zip(rows, where):
+                if args.label_key not in row:  # not the file's 'label' instead: the user named another field
+                    keys = ", ".join(sorted(map(str, row))[:8])
+                    raise UserError(f"{at}: no {args.label_key!r} key (the row has {keys}); pass --label-key with "
+                                    "the right field name")  # fmt: skip
+            rows = [{**r, "label": r[args.label_key]} for r in rows]
         keep = first_per_group(rows, args.task, args.limit, where)
         records, where = [rows[i] for i in keep], [where[i] for i in keep]
         source = {"generations": args.generations}

@@ -76,10 +76,17 @@ def main_ppo_overrides(ngpus: int = 1, num_cpus: Optional[int] = None, temp_dir:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error in one line (the package's ``errors.ArgumentParser`` rule, without importing the package)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def main(argv: Optional[list] = None) -> int:
     """``python <this file> --ngpus N [--temp-dir DIR]``: main_ppo's CPU overrides, one a line (for
     ``examples/verl/train_kk_grpo_ar_lopti.sh`` under ``CPU=1``)."""
-    parser = argparse.ArgumentParser(prog="cpu_overrides.py", description="main_ppo's overrides for a CPU run")
+    parser = _Parser(prog="cpu_overrides.py", description="main_ppo's overrides for a CPU run")
     parser.add_argument("--ngpus", type=int, default=1, help="actor ranks (Ray logical GPUs)")
     parser.add_argument("--num-cpus", type=int, default=None, help="Ray's logical CPUs (default: 8 + 4 x ngpus)")
     parser.add_argument("--temp-dir", default=None, help="Ray's private temp dir (short path: socket names)")
