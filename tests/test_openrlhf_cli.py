@@ -98,7 +98,19 @@ def test_bad_values_and_combinations_fail_at_parse_time(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.parse_args(BASE + args)
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1, err[:300]  # one line: before, upstream's 178-line usage came first
+
+
+def test_the_denominator_without_lopti_is_refused_as_the_order_is(capsys):
+    """``--algo.lopti.denominator phase`` with Lopti off was accepted and did nothing (``--algo.lopti.order`` is
+    refused there)."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_args(BASE + ["--algo.lopti.denominator", "phase"])
+    assert exit_info.value.code == 2
+    assert "--algo.lopti.denominator phase without Lopti has nothing to divide" in capsys.readouterr().err
+    assert cli.parse_args(BASE + ["--algo.lopti.denominator", "phase", "--algo.lopti.eta", "0.5"]).algo.lopti.eta == 0.5
 
 
 def test_flags_are_nested_as_upstream_nests_its_own_and_a_quantile_alone_switches_lopti_on():

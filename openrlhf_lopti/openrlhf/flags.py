@@ -233,6 +233,9 @@ def check_config(args: Any) -> None:
     cfg.lopti  # noqa: B018 - raises on algo's rule: the two thresholds together are refused
     if cfg.lopti_denominator not in LOPTI_DENOMINATORS:
         raise ValueError(f"--algo.lopti.denominator must be one of {LOPTI_DENOMINATORS}, got {cfg.lopti_denominator!r}")
+    if cfg.lopti_denominator != "all" and not cfg.lopti_enabled:  # as --algo.lopti.order: a setting of Lopti's phases
+        raise ValueError(f"--algo.lopti.denominator {cfg.lopti_denominator} without Lopti has nothing to divide: "
+                         "give --algo.lopti.eta or --algo.lopti.quantile, or drop it")  # fmt: skip
     if cfg.fused_loss not in FUSED_LOSS_CHOICES:
         raise ValueError(f"--actor.fused_loss must be one of {FUSED_LOSS_CHOICES}, got {cfg.fused_loss!r}")
 
