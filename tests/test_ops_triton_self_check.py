@@ -370,3 +370,14 @@ def test_rounding_left_where_the_reference_gradient_cancels_to_zero_passes_and_a
         result = run_self_check(CPU, cases=cases)
         assert result.ok is passes, (offset, result.summary())
         assert passes or result.worst["float32"] > 1  # fp32's bound has no dtype ulp in it: the error is seen there
+
+
+def test_check_gpu_of_a_device_past_the_count_is_one_line(monkeypatch, capsys):
+    """``--device cuda:3`` on a (stand-in) one-GPU machine: one line before any check (before: a traceback from
+    ``get_device_properties``, which the stand-in stands for)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: pytest.fail("the device was queried"))
+    assert cli_main(["check-gpu", "--device", "cuda:3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["openrlhf-lopti check-gpu: error: --device cuda:3: this machine has 1 CUDA device(s)"], err

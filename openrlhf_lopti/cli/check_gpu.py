@@ -88,6 +88,8 @@ def main(argv: Optional[list] = None) -> int:
     from openrlhf_lopti.ops.triton.self_check import QUICK_CASES, WIDE_CASES, run_self_check
 
     device = torch.device(args.device)
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     try:
         import triton
 
