@@ -230,9 +230,9 @@ def make_trainer(env, cls, args, actor, gas=1, record_grads=False, ema=None):
     return trainer, strategy
 
 
-def train_round(env, cls, args, gas=1, record_grads=False, edit=None, samples=None):
+def train_round(env, cls, args, gas=1, record_grads=False, edit=None, samples=None, seed=3):
     """One ``ppo_train`` round on the rollout; ``edit(experience)`` may change the experience first; ``samples``
-    keeps only the first that many samples in the replay buffer."""
+    keeps only the first that many samples in the replay buffer; ``seed``: the DataLoader's shuffle."""
     actor = make_actor(env, args)
     experience = make_experience(env.rollout, actor)
     if edit is not None:
@@ -241,7 +241,7 @@ def train_round(env, cls, args, gas=1, record_grads=False, edit=None, samples=No
     trainer.replay_buffer.append(experience)
     if samples is not None:
         del trainer.replay_buffer.items[samples:]
-    torch.manual_seed(3)  # the DataLoader's shuffle
+    torch.manual_seed(seed)  # the DataLoader's shuffle
     status = trainer.ppo_train(KL_CTL)
     return SimpleNamespace(trainer=trainer, strategy=strategy, status=status, actor=actor, experience=experience)
 
@@ -262,12 +262,13 @@ def params_equal(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.actor.parameters(), b.actor.parameters()))
 
 
-def upstream_lopti_round(env, flags, eta: float, alpha: float, edit=None):
+def upstream_lopti_round(env, flags, eta: float, alpha: float, edit=None, seed=3):
     """AR + Lopti written out in the test on upstream's own trainer: the independent reference of our trainer with
     ``--algo.lopti.denominator phase``. The phases are the response tokens with rollout probability p < eta, then
     the others; each is one pass of upstream's ``ppo_train`` on the experience with the phase as its action mask
     (so upstream's token-mean denominators count the phase's tokens) and advantages A * (alpha * p + 1 - alpha)
-    on the phase, 0 elsewhere. The second pass starts from the weights and optimizer state the first left."""
+    on the phase, 0 elsewhere. The second pass starts from the weights and optimizer state the first left, and
+    shuffles as the first did (the same micro-batches, in the same order)."""
     args = make_args(*flags, "--actor.fused_loss", "off")
     actor = make_actor(env, args)
     experience = make_experience(env.rollout, actor)
@@ -276,9 +277,11 @@ def upstream_lopti_round(env, flags, eta: float, alpha: float, edit=None):
     trainer, strategy = make_trainer(env, Upstream, args, actor, record_grads=True)
     p = experience.action_log_probs.exp()
     low = experience.action_mask & (p < eta)
-    torch.manual_seed(3)  # the DataLoader's shuffle, as train_round
+    torch.manual_seed(seed)  # the DataLoader's shuffle, as train_round
+    shuffle = torch.get_rng_state()
     statuses = []
     for phase in (low, experience.action_mask & ~low):
+        torch.set_rng_state(shuffle)  # both passes draw the same order: the phases train the same micro-batches
         item = copy.copy(experience)
         item.action_mask = phase
         item.advantages = experience.advantages * (alpha * p + 1 - alpha) * phase
@@ -354,6 +357,7 @@ def spy_upstream_step(monkeypatch):
         finally:
             handle.remove()
         mask = experience.action_mask.bool()
+        kept = experience.attention_mask.bool()
         calls.append(
             {
                 "phase": getattr(self, "lopti_phase", None),
@@ -362,6 +366,8 @@ def spy_upstream_step(monkeypatch):
                 "response": experience.attention_mask[:, -experience.action_mask.shape[1] :].bool(),
                 "advantages": experience.advantages.clone(),
                 "old": experience.action_log_probs.clone(),
+                # which responses the micro-batch holds: each row's tokens
+                "samples": [tuple(row[row_kept].tolist()) for row, row_kept in zip(experience.sequences, kept)],
                 "batch_num_tokens": float(loss_batch_info["batch_num_tokens"]),
                 "global_batch_size": float(loss_batch_info["global_batch_size"]),
                 # how far the step's own forward is from the rollout's log-probs on the phase's tokens
@@ -388,6 +394,27 @@ def test_phases_run_in_order_each_a_full_pass_with_its_optimizer_steps(order, en
     assert [call["phase"] for call in spy_upstream_step] == [first] * 8 + [second] * 8
     assert [step["phase"] for step in run.strategy.steps] == [first] * 4 + [second] * 4
     assert run.trainer.lopti_phase is None  # reset after the round
+
+
+def test_both_phases_train_the_same_samples_in_the_same_micro_batches(env, spy_upstream_step):
+    """7 responses in micro-batches of 2: upstream's pass (a shuffled DataLoader with drop_last) trains 3 micro-batches
+    per epoch and leaves one response out. Each phase is such a pass; before, each drew its own order, so each left out
+    its own response and some responses trained only their low or only their high tokens. Now the first phase trains
+    upstream's order and the second replays it, epoch by epoch."""
+    upstream = train_round(env, Upstream, make_args("--train.max_epochs", "2"), samples=7)
+    assert len({sample for call in spy_upstream_step for sample in call["samples"]}) == 7  # distinct responses
+    upstream_batches = [call["samples"] for call in spy_upstream_step]
+    assert len(upstream_batches) == 6 and len(upstream.strategy.steps) == 6  # 3 micro-batches x 2 epochs
+    spy_upstream_step.clear()
+    run = train_round(env, Lopti, make_args("--algo.lopti.eta", "0.5", "--train.max_epochs", "2"), samples=7)
+    assert run.status["lopti/low/tokens"] > 0 and run.status["lopti/high/tokens"] > 0
+    batches = {name: [c["samples"] for c in spy_upstream_step if c["phase"] == name] for name in ("low", "high")}
+    trained = {
+        name: [{sample for batch in calls[e * 3 : e * 3 + 3] for sample in batch} for e in (0, 1)]
+        for name, calls in batches.items()
+    }
+    assert trained["low"] == trained["high"]  # each epoch, the same 6 responses in both phases
+    assert batches["low"] == batches["high"] == upstream_batches  # in the same micro-batches: upstream's
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64])  # int64: as upstream's samples generator makes it
@@ -456,6 +483,11 @@ def test_eta_putting_every_token_in_one_phase_is_exactly_the_baseline(fused, den
         assert lopti.status["policy_loss"] == baseline.status["policy_loss"]
         assert lopti.status["lopti/low_token_frac"] == (1.0 if eta == "1.0" else 0.0)
         empty = "high" if eta == "1.0" else "low"
+        # the round logs upstream's keys, none a phase did not report (no entropy_loss: the entropy is off), and an
+        # empty phase logs its token count only (a 0 would read as a measured value)
+        assert {k for k in lopti.status if "/" not in k} == {k for k in baseline.status if "/" not in k}
+        assert [k for k in lopti.status if k.startswith(f"lopti/{empty}/")] == [f"lopti/{empty}/tokens"]
+        assert lopti.status[f"lopti/{empty}/tokens"] == 0
         printed = capsys.readouterr().out
         assert f"[openrlhf-lopti] Lopti: no '{empty}' tokens in this batch, phase skipped\n" in printed
 
@@ -752,13 +784,16 @@ def test_fused_entropy_matches_upstream_entropy_loss_and_gradients(packing, env,
     flags += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.dual_clip", "3"]
     if packing:
         flags += ["--ds.packing_samples", "--vllm.num_engines", "1"]
-    reference = upstream_lopti_round(env, flags, eta=0.5, alpha=0.3)
+    # seed 5: a shuffle whose every micro-batch holds tokens of both phases (with packing, 4 of the 8 responses have
+    # no high token); upstream's pass, the reference, divides by zero on a micro-batch without any
+    seed = 5
+    reference = upstream_lopti_round(env, flags, eta=0.5, alpha=0.3, seed=seed)
     lopti = ["--algo.lopti.eta", "0.5", "--algo.ar.alpha", "0.3", "--algo.lopti.denominator", "phase"]
     fused_args = make_args(*flags, *lopti, "--actor.fused_loss", "torch")
-    fused = train_round(env, Lopti, fused_args, record_grads=True)
+    fused = train_round(env, Lopti, fused_args, record_grads=True, seed=seed)
     with float64():
-        reference64 = upstream_lopti_round(env, flags, eta=0.5, alpha=0.3, edit=inputs_of(reference))
-        fused64 = train_round(env, Lopti, fused_args, record_grads=True, edit=inputs_of(fused))
+        reference64 = upstream_lopti_round(env, flags, eta=0.5, alpha=0.3, edit=inputs_of(reference), seed=seed)
+        fused64 = train_round(env, Lopti, fused_args, record_grads=True, edit=inputs_of(fused), seed=seed)
     assert fused.actor.temperature == 0.7 and fused.actor.packing_samples == packing
     assert_first_step_of_each_phase_matches(fused, reference, fused64, reference64)
     for i, phase in enumerate(("low", "high")):
@@ -1067,6 +1102,7 @@ def test_lopti_metrics_in_the_status(env, capsys):
     assert status["ppo_clip_ratio"] == pytest.approx(clip)
     assert status["policy_loss"] == pytest.approx(status["lopti/low/policy_loss"] + status["lopti/high/policy_loss"])
     assert status["kl"] == pytest.approx(status["lopti/low/kl"] + status["lopti/high/kl"])  # the KL loss's shares
+    assert "entropy_loss" not in status  # the entropy is off: upstream's pass logs none, nor does the round
     assert all(torch.isfinite(torch.tensor(float(v))) for v in status.values() if isinstance(v, (int, float)))
 
 
@@ -1085,6 +1121,7 @@ def test_merge_phase_status_rules():
     assert merged["lopti/low/actor_grad_norm"] == 3.0 and merged["lopti/high/policy_loss"] == pytest.approx(1.5)
     phase = merge_phase_status(statuses, share, "phase", True)
     assert phase["policy_loss"] == pytest.approx(0.25 * 1.0 + 0.75 * 2.0) and phase["lopti/high/policy_loss"] == 2.0
+    assert "entropy_loss" not in merged and "kl" not in merged  # no phase reported them: no made-up 0
     only_high = merge_phase_status({"high": statuses["high"]}, {"low": 0.0, "high": 1.0}, "all", True)
     assert only_high["policy_loss"] == 2.0 and "lopti/low/policy_loss" not in only_high
     # "kl": the KL loss's phase shares add up; the rollout KL in the reward is the same number in every phase

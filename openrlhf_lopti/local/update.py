@@ -96,8 +96,10 @@ def update_policy(
         ``clip_ratio`` and ``entropy`` (token means over trained tokens), ``grad_norm`` (mean over
         optimizer steps, before clipping), ``optimizer_steps``; the round's metrics (``ar/mean_weight`` with AR;
         ``lopti/threshold``, ``lopti/low_token_frac``, ``lopti/<phase>/tokens`` with Lopti: ``algo.plan_round``);
-        with Lopti also, per phase (``low``, ``high``), ``lopti/<phase>/policy_loss``, ``lopti/<phase>/clip_ratio``,
-        ``lopti/<phase>/grad_norm`` and ``lopti/<phase>/train_s`` (wall seconds); ``loss_backend``, the kernel
+        with Lopti also, per phase (``low``, ``high``) that has tokens, ``lopti/<phase>/policy_loss`` (its share of
+        the token-mean policy loss, averaged over epochs, without the KL term: OpenRLHF's and verl's
+        ``policy_loss``), ``lopti/<phase>/clip_ratio``, ``lopti/<phase>/grad_norm`` and ``lopti/<phase>/train_s``
+        (wall seconds); an empty phase logs its ``lopti/<phase>/tokens`` (0) only; ``loss_backend``, the kernel
         backend that ran (a string: the caller prints it).
 
     The loss head is the one-pass form (``loss_weights``: each token's share of the mini-batch's token mean, known
@@ -133,7 +135,7 @@ def update_policy(
     for k, (name, phase, phase_tokens) in enumerate(((p.name, p.mask, p.tokens) for p in phases), start=1):
         optimizer = optimizers[(k - 1) % len(optimizers)]
         start = time.perf_counter()
-        loss_sum = clipped = entropy = 0.0
+        loss_sum = policy_sum = clipped = entropy = 0.0
         norms = []
         if phase_tokens:  # an empty phase is skipped but keeps its number
             advantages = exp.advantages * phase
@@ -171,6 +173,7 @@ def update_policy(
                         backend = backend or out.backend
                         out.reduced.backward()
                         loss_sum += float(out.loss.detach().sum())
+                        policy_sum += float((out.loss.detach() - kl_coef * out.kl).sum())  # out.loss holds kl_coef * kl
                         clipped += float(out.clipped.sum())
                         entropy += float(out.entropy.detach().sum())
                     if all(p.grad is None for p in params):  # every micro-batch skipped: the step is on zeros
@@ -185,8 +188,9 @@ def update_policy(
         metrics["optimizer_steps"] += len(norms)
         clipped_all, entropy_all, trained_all = clipped_all + clipped, entropy_all + entropy, trained_all + trained
         norms_all += norms
-        if cfg.lopti:
-            metrics[f"lopti/{name}/policy_loss"] = loss_sum / max(total_tokens * cfg.epochs, 1)
+        if cfg.lopti and phase_tokens:  # an empty phase has lopti/<phase>/tokens = 0: a 0 here would read as measured
+            # without the KL term, as OpenRLHF and verl log a phase's policy loss
+            metrics[f"lopti/{name}/policy_loss"] = policy_sum / max(total_tokens * cfg.epochs, 1)
             metrics[f"lopti/{name}/clip_ratio"] = clipped / max(trained, 1)
             metrics[f"lopti/{name}/grad_norm"] = sum(norms) / len(norms) if norms else 0.0
             metrics[f"lopti/{name}/train_s"] = time.perf_counter() - start

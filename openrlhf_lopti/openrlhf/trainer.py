@@ -36,7 +36,9 @@ from typing import Callable, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import RandomSampler, Sampler
 
+import openrlhf.trainer.ray.ppo_actor as ppo_actor
 from openrlhf.models import aggregate_loss
 from openrlhf.models.utils import masked_mean
 from openrlhf.trainer.ppo_utils.experience import Experience, make_experience_batch
@@ -100,6 +102,8 @@ def merge_phase_status(
                 merged[f"lopti/{name}/{key}"] = token_share[name] * status[key] if key in shares else status[key]
     for key in per_token:
         values = {name: status[key] for name, status in statuses.items() if key in status}
+        if not values:  # no phase reported it (e.g. entropy_loss with the entropy off): a 0 would read as measured
+            continue
         weight = sum(token_share[name] for name in values)
         if key in shares:
             merged[key] = sum(token_share[name] * value for name, value in values.items())
@@ -117,6 +121,26 @@ def _nonzero_denominators(loss_batch_info: dict) -> dict:
             value = torch.as_tensor(fixed[key], dtype=torch.float32)
             fixed[key] = torch.where(value > 0, value, torch.ones_like(value))
     return fixed
+
+
+class _RoundOrder(Sampler):
+    """The sample order of one phase's pass of upstream's ``ppo_train``: epoch k of the round's first pass draws it
+    as upstream's shuffled ``DataLoader`` does (a ``RandomSampler`` on torch's global RNG, at the same moment, so
+    that pass is upstream's) and records it in ``orders``; epoch k of every later pass replays it."""
+
+    def __init__(self, dataset, orders: list):
+        self.shuffled = RandomSampler(dataset)  # refuses what upstream's DataLoader(shuffle=True) refuses, now
+        self.orders = orders
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.shuffled)
+
+    def __iter__(self) -> Iterator[int]:  # a generator: the draw happens at the first index, as RandomSampler's
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        if epoch == len(self.orders):
+            self.orders.append(list(self.shuffled))
+        yield from self.orders[epoch]
 
 
 class LoptiActorPPOTrainer(ActorPPOTrainer):
@@ -198,6 +222,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
         tokens = sum(phase.tokens for phase in lopti_round.phases)
         share = {phase.name: phase.tokens / tokens for phase in lopti_round.phases}
         statuses = {}
+        orders: list = []  # each epoch's sample order, drawn by the first phase, replayed by the second
         schedule = RoundSchedule(self.actor_scheduler)
         schedule.start_round()
         for phase in lopti_round.phases:
@@ -213,7 +238,7 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             try:
                 with self._replay_items_in_phase() if self.lopti.lopti_denominator == "phase" else nullcontext():
                     with self._passes_end_on_optimizer_steps(), self._batches_carry_phases():
-                        with self._aux_loss_scaled(share[name]):
+                        with self._aux_loss_scaled(share[name]), self._phases_share_the_sample_order(orders):
                             statuses[name] = super().ppo_train(kl_ctl)
             finally:
                 self.lopti_phase = None
@@ -352,6 +377,28 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
             yield
         finally:
             del buffer.collate_fn  # the class's own again
+
+    @contextmanager
+    def _phases_share_the_sample_order(self, orders: list) -> Iterator[None]:
+        """Every phase of the round trains the same samples in the same micro-batches, epoch by epoch.
+
+        Upstream's ``ppo_train`` builds a shuffled ``DataLoader(drop_last=True)`` per pass: each phase would draw its
+        own order and, when the buffer is not a multiple of the micro-batch size, drop its own random remainder, so
+        some responses would train only their low or only their high tokens. Here the first phase's pass draws
+        upstream's order and records it (:class:`_RoundOrder`); the later phases replay it. An unshuffled pass
+        (ring attention, tensor parallel, dynamic batching) is left as upstream builds it."""
+        data_loader = ppo_actor.DataLoader
+
+        def same_order(dataset, *args, shuffle=False, **kwargs):
+            if shuffle:
+                kwargs["sampler"] = _RoundOrder(dataset, orders)
+            return data_loader(dataset, *args, **kwargs)
+
+        ppo_actor.DataLoader = same_order  # what upstream's ppo_train calls
+        try:
+            yield
+        finally:
+            ppo_actor.DataLoader = data_loader
 
     @contextmanager
     def _replay_items_in_phase(self) -> Iterator[None]:
