@@ -399,8 +399,9 @@ def local_record(cfg, metrics: dict, clocks: dict, memory_bytes: int) -> dict:
     }
     if cfg.lopti:
         order = PHASES if cfg.lopti_order == "low_first" else PHASES[::-1]
-        for phase in order:  # None: a trainer without per-phase times
-            record[f"train_{phase}_s"] = metrics.get(f"lopti/{phase}/train_s")
+        for phase in order:  # an empty phase trains for 0 s (it logs its tokens only); None: no per-phase times
+            empty = metrics.get(f"lopti/{phase}/tokens") == 0
+            record[f"train_{phase}_s"] = 0.0 if empty else metrics.get(f"lopti/{phase}/train_s")
     return record
 
 
