@@ -15,10 +15,11 @@ padding, and (for one setting) an empty phase. For each setting:
    counts (a sum over the world instead of the data-parallel group);
 4. an empty phase (no token on any process) takes no optimizer step and leaves the LR schedule where a run without
    Lopti leaves it, in every front end: the round of the "empty phase" setting trains exactly as a plain pass,
-   here for the local trainer and TRL's real trainer; OpenRLHF's on its real DeepSpeed engine in
-   test_openrlhf_trainer.py (``test_eta_putting_every_token_in_one_phase_is_exactly_the_baseline``) and verl's on
-   its real FSDP2 engine in tests/verl/test_worker.py (``test_an_empty_phase_takes_no_optimizer_step``), each in
-   its own environment or fixtures.
+   here for the local trainer and TRL's real trainer (under DeepSpeed ZeRO-2 / ZeRO-3 and FSDP2 in
+   tests/test_trl_processes.py, ``test_sharded_an_empty_phase_takes_no_optimizer_step``); OpenRLHF's on its real
+   DeepSpeed engine in test_openrlhf_trainer.py (``test_eta_putting_every_token_in_one_phase_is_exactly_the_baseline``)
+   and verl's on its real FSDP2 engine in tests/verl/test_worker.py (``test_an_empty_phase_takes_no_optimizer_step``),
+   each in its own environment or fixtures.
 
 What 3 cannot show: the trainers around those methods (they are bound to an object holding only what they
 read). The whole trainers are run elsewhere: OpenRLHF's with 2 DeepSpeed ranks and a quantile

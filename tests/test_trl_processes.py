@@ -19,7 +19,9 @@ process's update, the fused lm_head the logits path's; two rounds under a linear
 rates; a resume from the mid-round checkpoint ends at the uninterrupted run's parameters; with AR and Lopti off our
 trainer makes TRL's own GRPOTrainer's update under the same sharding; a NaN advantage on the last process stops
 every process at the first step with no weight moved, and one in the round's second step (after the first step's
-checkpoint) before that step. (FSDP1 does not run on CPU: accelerate asks for a GPU.)
+checkpoint) before that step; a round whose second phase has no token takes no optimizer step there (no weight, no
+AdamW state moves) and ends on the schedule of a run without Lopti. (FSDP1 does not run on CPU: accelerate asks for
+a GPU.)
 """
 
 import os
@@ -36,7 +38,7 @@ from openrlhf_lopti.algo.lopti import quantile_threshold  # noqa: E402
 
 from .ds_ranks import free_port  # noqa: E402
 from .run_logs import failure_report  # noqa: E402
-from .test_trl_trainer import tiny_model, tok  # noqa: E402, F401 (a fixture)
+from .test_trl_trainer import LR, tiny_model, tok  # noqa: E402, F401 (a fixture)
 from .trl_ranks import OURS, QUANTILE, build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +196,7 @@ def test_sharded_two_processes_decide_one_round_and_make_one_processs_update(sha
     (accelerate counted both processes), and the round made one process's update of the whole batch."""
     assert [run["world"] for run in sharded_ranks] == [2, 2]
     expected = WRAPPERS[sharded_ranks[0]["kind"]]
-    assert all(run["engines"] == [expected] * 9 for run in sharded_ranks)
+    assert all(run["engines"] == [expected] * 10 for run in sharded_ranks)
     one_round_and_one_processs_update(sharded_ranks, tok, tmp_path)
 
 
@@ -205,7 +207,7 @@ def test_sharded_the_fused_lm_head_makes_the_logits_paths_update(sharded_ranks, 
 
 
 def test_sharded_each_phase_steps_at_the_rounds_learning_rates_as_under_ddp(sharded_ranks, ranks):
-    """Two rounds under a linear schedule (DeepSpeed's engine steps the scheduler itself): the learning rate each
+    """Two rounds under a linear schedule (transformers steps it after DeepSpeed's step): the learning rate each
     optimizer step holds is DDP's, both phases of a round at one rate (the round's rewind held)."""
     for run in (*ranks, *sharded_ranks):
         assert run["rates"] == ranks[0]["rates"]
@@ -268,3 +270,25 @@ def test_sharded_a_bad_value_in_the_rounds_second_step_fails_before_it(sharded_r
     for run in sharded_ranks:
         assert all(p.isfinite().all() for p in run["nan_second_params"])
         assert any(not torch.equal(p, p0) for p, p0 in zip(run["nan_second_params"], initial))  # step 1 trained
+
+
+def test_sharded_an_empty_phase_takes_no_optimizer_step(sharded_ranks, tok):
+    """A round whose second (high) phase has no token on any process, AdamW with weight decay, a linear schedule:
+    the empty phase moves no weight and takes no AdamW step, and the schedule ends the round where the low phase
+    left it (one step, as a run without Lopti; tests/test_lopti_round_contract.py without DeepSpeed). DeepSpeed
+    counts the step as not applied. (Before, under ZeRO-2 and ZeRO-3 the empty phase's loss failed in DeepSpeed's
+    backward: "loss must be a scalar tensor".)"""
+    initial = [p.detach() for p in tiny_model(tok).parameters()]
+    for run in sharded_ranks:
+        assert run["empty_error"] is None, run["empty_error"]
+        counts = {name: logged({"logs": run["empty_logs"]}, f"lopti/{name}/tokens") for name in ("low", "high")}
+        assert counts["high"] == 0 and counts["low"] > 0, counts
+        assert any(not torch.equal(p, p0) for p, p0 in zip(run["empty_phase_2_start"], initial))  # the low phase
+        assert all(torch.equal(p, p2) for p, p2 in zip(run["empty_params"], run["empty_phase_2_start"]))
+        state = run["empty_optimizer"]
+        assert state["steps"] == [1]  # one AdamW step per parameter: the low phase's
+        assert run["empty_rates"] == [LR, LR]  # phase 2 at phase 1's rate (the round's rewind)
+        last_epoch, rates = state["schedule"]
+        assert last_epoch == 1 and set(rates) == {0.0}  # the run's one scheduled step: the linear schedule's end
+        if run["kind"].startswith("zero"):
+            assert state["engine"] == (2, 1, False)  # two optimizer steps, the second not applied

@@ -9,7 +9,9 @@
   batch of the uninterrupted run; a mid-round checkpoint without its round, or resumed under settings other than
   those its round was saved under, is refused in one line; the round is in the checkpoint before it is pushed;
 - ``max_steps`` derived from ``num_train_epochs`` is whole rounds;
-- a phase without tokens takes no optimizer step (tests/test_lopti_round_contract.py, with the other front ends).
+- a phase without tokens takes no optimizer step (tests/test_lopti_round_contract.py, with the other front ends;
+  under DeepSpeed and FSDP2: tests/test_trl_processes.py);
+- a micro-step without a token of a phase leaves the per-phase and token means it logs alone.
 """
 
 import os
@@ -259,3 +261,31 @@ def test_max_steps_from_epochs_is_whole_rounds(tmp_path, tok):
     trainer.train()
     assert trainer.state.global_step == 6
     assert [phase for _, phase, _ in trainer.steps] == [0, 1] * 3
+
+
+def test_a_micro_step_without_the_phases_tokens_leaves_the_logged_means_alone():
+    """Two micro-steps of the high phase: 10 tokens (every one clipped, entropy 2) and none. What TRL's ``log``
+    makes of them (NaN dropped, then the mean; trl 1.16's ``GRPOTrainer.log``) is the 10 tokens' means: 1.0 and 2.0.
+    (Before: the empty micro-step appended a 0, logged as 0.5 and 1.0.) ``_log_loss_metrics`` is bound to an object
+    holding what it reads, one process."""
+    import math
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    one_process = SimpleNamespace(reduce=lambda t, reduction: t, gather=lambda t: t)
+    bound = SimpleNamespace(accelerator=one_process, _metrics={"train": defaultdict(list)}, epsilon_low=0.2,
+                            epsilon_high=0.28, args=SimpleNamespace(lopti_order="low_first"))  # fmt: skip
+    b, t = 2, 5
+    for rows in (torch.ones(b, t, dtype=torch.bool), torch.zeros(b, t, dtype=torch.bool)):
+        n = int(rows.sum())
+        out = SimpleNamespace(logp=torch.zeros(n), entropy=torch.full((n,), 2.0),
+                              clipped=torch.ones(n, dtype=torch.bool))  # fmt: skip
+        LoptiGRPOTrainer._log_loss_metrics(bound, "train", {"lopti_phase": 1}, out, rows, torch.zeros(b, t),
+                                           torch.ones(b, t), None, torch.tensor(0.0))  # fmt: skip
+
+    def logged(key: str) -> float:  # trl 1.16 GRPOTrainer.log: NaN values dropped, then the mean
+        valid = [v for v in bound._metrics["train"][key] if not math.isnan(v)]
+        return sum(valid) / len(valid)
+
+    assert logged("lopti/high/clip_ratio") == 1.0 and logged("entropy") == 2.0
+    assert logged("clip_ratio/high_mean") == 0.0 and logged("clip_ratio/region_mean") == 0.0  # ratio 1: none

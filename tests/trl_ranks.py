@@ -98,6 +98,39 @@ class NaNInTheSecondStep(NaNOnTheLastProcess):
     phase = 1
 
 
+class EmptyHighPhase(Trainer):
+    """Records the whole parameters at the first micro-step of the round's second phase (every process is there
+    together: ZeRO-3's and FSDP's gathers are collectives)."""
+
+    phase_2_start = None
+
+    def _compute_loss(self, model, inputs):
+        if inputs["lopti_phase"] == 1 and self.phase_2_start is None:
+            self.phase_2_start = full_parameters(self)
+        return super()._compute_loss(model, inputs)
+
+
+# eta = 1 puts every token of the round in the low phase: the high phase (the second) has none. AdamW with weight
+# decay and a linear schedule: a step on no gradient would still move every weight and the schedule
+EMPTY_HIGH_PHASE = dict(lopti_quantile=None, lopti_eta=1.0, optim="adamw_torch", weight_decay=0.1,
+                        lr_scheduler_type="linear", save_strategy="no")  # fmt: skip
+
+
+def optimizer_state(trainer) -> dict:
+    """The torch optimizer's step counts (inside accelerate's and DeepSpeed's wrappers), the LR scheduler's place, and
+    DeepSpeed's engine counters (None without DeepSpeed)."""
+    optimizer = trainer.optimizer
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)  # accelerate's wrapper
+    engine = trainer.model_wrapped if trainer.is_deepspeed_enabled else None
+    return {
+        "steps": sorted({int(state["step"]) for state in optimizer.state.values() if "step" in state}),
+        "schedule": (scheduler.last_epoch, scheduler.get_last_lr()),
+        "engine": None if engine is None else (engine.global_steps, engine.skipped_steps, engine.was_step_applied()),
+    }
+
+
 def build(out: str, tok, per_device_batch: int, replay=None, reward=distinct_words, cls=Trainer, **kw) -> Trainer:
     """The trainer of one rank (``replay`` None) or of the one-process replay; ``kw``: more settings."""
     cfg = LoptiGRPOConfig(**round_settings(out, per_device_batch, **kw))
@@ -175,7 +208,8 @@ def full_parameters(trainer) -> list:
 def main_sharded(out: str, kind: str) -> int:
     """The round under ``kind`` (``zero2 zero3 fsdp2``); then, on each rank's batch of it, the fused lm_head's
     round, AR and Lopti off (ours and TRL's GRPOTrainer), two rounds under a decaying schedule, a resume from the
-    mid-round checkpoint (AdamW), and a NaN advantage on the last process in the round's first and second step."""
+    mid-round checkpoint (AdamW), a NaN advantage on the last process in the round's first and second step, and a
+    round whose second phase is empty (AdamW, weight decay, a linear schedule)."""
     from accelerate.state import AcceleratorState
     from datasets import Dataset
     from trl import GRPOConfig
@@ -208,7 +242,7 @@ def main_sharded(out: str, kind: str) -> int:
     off.train()
     trl = again("trl", cls=Replayed)
     trl.train()
-    schedule = again("schedule", **TWO_ROUNDS)  # (DeepSpeed's engine steps the LR scheduler): the rewind must hold
+    schedule = again("schedule", **TWO_ROUNDS)  # a decaying schedule: the round's rewind must hold
     schedule.train()
     # the resume under AdamW: a stateful optimizer (torch's full-state-dict load of FSDP's optimizer fails on one
     # without state, plain SGD: "Expected device to be set", with TRL's own trainer too)
@@ -221,7 +255,13 @@ def main_sharded(out: str, kind: str) -> int:
     nan_error = failure(nan.train)  # raised before the optimizer's step, before the weights move
     nan_second = again("nan_second", cls=NaNInTheSecondStep)
     nan_second_error = failure(nan_second.train)
-    runs = (trainer, fused, off, trl, schedule, adam, resumed, nan, nan_second)
+    empty = again("empty", cls=EmptyHighPhase, **EMPTY_HIGH_PHASE)  # last: before the fix, DeepSpeed raised in it
+    try:
+        empty.train()
+        empty_error = None
+    except Exception as exc:  # noqa: BLE001 (any error is the finding; the tests read it)
+        empty_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    runs = (trainer, fused, off, trl, schedule, adam, resumed, nan, nan_second, empty)
     engines = [wrapper(t) for t in runs]
     torch.save(
         {
@@ -246,6 +286,12 @@ def main_sharded(out: str, kind: str) -> int:
             "nan_params": full_parameters(nan),
             "nan_second_error": nan_second_error,
             "nan_second_params": full_parameters(nan_second),
+            "empty_error": empty_error,
+            "empty_logs": empty.state.log_history,
+            "empty_rates": empty.rates,
+            "empty_phase_2_start": empty.phase_2_start,
+            "empty_params": None if empty_error else full_parameters(empty),
+            "empty_optimizer": None if empty_error else optimizer_state(empty),
         },
         os.path.join(out, f"rank{trainer.accelerator.process_index}.pt"),
     )

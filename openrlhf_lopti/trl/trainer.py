@@ -46,7 +46,8 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   none: the resumed run generates a new batch, as TRL does. The round file also holds the settings it means
   something under (``_round_settings``); a resume under others, or from a checkpoint without every process's
   file, is refused on every process with the same line (``_load_round``). A phase without a token on any process
-  runs its micro-steps without a forward or a gradient, so it takes no optimizer step.
+  runs its micro-steps without a forward or a gradient, so it takes no optimizer step (under DeepSpeed, without
+  the engine's backward and update either: ``_SkipsEmptyPhases``).
 - ``track_direction``: after each round's last optimizer step, ``direction/*`` (paper Fig. 3, ``algo.direction``)
   from one forward-only pass over the round's generation batch, summed over processes.
 - The loss path, decided once when the trainer is built and printed in one line (``[openrlhf-lopti] TRL loss
@@ -76,11 +77,13 @@ but for that check.
 
 import dataclasses
 import inspect
+import math
 import os
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 import torch
+from accelerate.utils import DeepSpeedEngineWrapper
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
@@ -570,10 +573,14 @@ class LoptiGRPOTrainer(GRPOTrainer):
         restricted to the Lopti phase's tokens when one is running; TRL's ``loss_type`` normalisation over all
         response tokens, its entropy bonus and its MoE router aux loss. On TRL's loss path
         (``config.trl_loss_reason``): :meth:`_trl_compute_loss`."""
-        if inputs.get("lopti_phase_tokens") == 0:
+        empty = inputs.get("lopti_phase_tokens") == 0
+        if self.is_deepspeed_enabled and self.args.lopti and self.model.training:
+            _SkipsEmptyPhases.on(self.accelerator).skip = empty  # set on every micro-step: never a stale skip
+        if empty:
             # a phase without a token on any process (the count is global: every process is here together): no
             # forward, no gradient, so the optimizer step that closes the window finds none and moves no weight
-            # (AdamW skips a parameter without a gradient: no moment update, no weight decay)
+            # (AdamW skips a parameter without a gradient: no moment update, no weight decay); under DeepSpeed,
+            # whose backward refuses this loss and whose ZeRO step needs a gradient, _SkipsEmptyPhases skips both
             return torch.zeros((), device=self.accelerator.device, requires_grad=True)
         if self.loss_path == "trl":
             return self._trl_compute_loss(model, inputs)
@@ -734,12 +741,14 @@ class LoptiGRPOTrainer(GRPOTrainer):
 
     def _log_loss_metrics(self, mode, inputs, out, rows, old, advantages, kl_rows, policy_loss) -> None:
         """TRL's ``entropy``, ``kl`` and ``clip_ratio/*_mean`` over the trained tokens; per Lopti phase also
-        ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``."""
+        ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``. A mean over no token (a micro-step
+        without a token of the phase on any process) is NaN, which TRL's ``log`` drops: a 0 there would weigh an
+        empty micro-step into the logged mean (the local trainer weighs its means by token counts)."""
 
         def global_mean(values: torch.Tensor) -> float:
             totals = torch.stack([values.detach().float().sum(), values.new_tensor(float(values.numel()))])
             totals = self.accelerator.reduce(totals, reduction="sum")
-            return (totals[0] / totals[1].clamp(min=1.0)).item()
+            return (totals[0] / totals[1]).item() if totals[1] > 0 else math.nan
 
         adv = advantages[rows]
         ratio = torch.exp(out.logp.detach() - old[rows].float())
@@ -810,6 +819,52 @@ class _KernelRows:
 
         return dataclasses.replace(out, loss=take(out.loss), logp=take(out.logp), kl=take(out.kl),
                                    clipped=take(out.clipped), entropy=take(out.entropy))  # fmt: skip
+
+
+class _SkipsEmptyPhases(DeepSpeedEngineWrapper):
+    """accelerate's DeepSpeed backward (the engine's ``backward``, then its ``step`` at an accumulation boundary),
+    except in a micro-step of a Lopti phase without a token on any process (``skip``, set by ``_compute_loss``):
+    there neither runs, and the window's boundary takes DeepSpeed's step without its update
+    (:func:`_engine_step_without_update`), as the trainer without DeepSpeed takes an optimizer step that finds no
+    gradient. (DeepSpeed's backward refuses a loss without a graph, and ZeRO-2's reduction fails on a window in
+    which no parameter got a gradient.) Every process skips the same micro-steps: the count is over every process,
+    and a phase is whole accumulation windows (``config.refusals``), so no window mixes skipped and run ones."""
+
+    skip = False
+
+    @classmethod
+    def on(cls, accelerator) -> "_SkipsEmptyPhases":
+        """The accelerator's engine wrapper, made one of these (once per engine accelerate wraps)."""
+        wrapped = accelerator.deepspeed_engine_wrapped
+        if not isinstance(wrapped, cls):
+            wrapped = accelerator.deepspeed_engine_wrapped = cls(wrapped.engine)
+        return wrapped
+
+    def backward(self, loss, sync_gradients=True, **kwargs):
+        if not self.skip:
+            return super().backward(loss, sync_gradients=sync_gradients, **kwargs)
+        self.skip = False
+        self.engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)  # as accelerate sets it
+        if sync_gradients:
+            _engine_step_without_update(self.engine)
+
+
+def _engine_step_without_update(engine) -> None:
+    """What DeepSpeed's ``engine.step()`` does at an accumulation boundary, but for the optimizer's update: the
+    engine's counters, the step counted as not applied (``skipped_steps``, ``was_step_applied()``, as an fp16
+    overflow's), and the LR scheduler's step where the engine holds the scheduler (a DeepSpeed config's own; the
+    trainer's is stepped by transformers after the step, as without DeepSpeed). The schedule moves as without
+    DeepSpeed: phase 2 replays phase 1's rates, and the round ends where a run without Lopti leaves it. The
+    gradient norm the engine reports for the step is 0 (no gradient), not the previous step's."""
+    if engine.lr_scheduler is not None:  # DeepSpeed's engine.step steps it (transformers' wrapper then does not)
+        engine.lr_scheduler.step()
+    engine._step_applied = False
+    engine._global_grad_norm = 0.0
+    engine.skipped_steps += 1
+    engine.global_steps += 1
+    engine.global_samples += engine.train_batch_size()
+    engine.gas_boundary_ctr += 1
+    engine.micro_steps += 1
 
 
 class _DirectionAtRoundEnd(TrainerCallback):
