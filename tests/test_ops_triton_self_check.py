@@ -334,6 +334,7 @@ def test_check_gpu_benchmarks_the_device_it_checked(monkeypatch):
     from openrlhf_lopti.cli import bench_loss_head
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a (stand-in) machine with a cuda:1
     properties = SimpleNamespace(name="Stand-in GPU", major=9, minor=0, total_memory=80 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
     monkeypatch.setattr(self_check, "run_self_check", lambda device, cases: self_check.SelfCheck(True, 1.0, {}, {}))

@@ -115,7 +115,7 @@ def _parser_and_finish() -> tuple:
     parser = namespace["parser"]
     parser.prog = PROG
     # One line per refusal: argparse's own error prints the usage first, ~180 lines of upstream's flags here
-    parser.error = lambda message: parser.exit(2, f"{PROG}: error: {message} (--help lists the flags)\n")
+    parser.error = lambda message: parser.exit(2, f"{PROG}: error: {message}\n")
     add_lopti_flags(parser)
     parser.add_argument(
         "--cpu",

@@ -83,7 +83,6 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 import torch
-from accelerate.utils import DeepSpeedEngineWrapper
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
@@ -821,7 +820,7 @@ class _KernelRows:
                                    clipped=take(out.clipped), entropy=take(out.entropy))  # fmt: skip
 
 
-class _SkipsEmptyPhases(DeepSpeedEngineWrapper):
+class _SkipsEmptyPhases:
     """accelerate's DeepSpeed backward (the engine's ``backward``, then its ``step`` at an accumulation boundary),
     except in a micro-step of a Lopti phase without a token on any process (``skip``, set by ``_compute_loss``):
     there neither runs, and the window's boundary takes DeepSpeed's step without its update
@@ -832,17 +831,25 @@ class _SkipsEmptyPhases(DeepSpeedEngineWrapper):
 
     skip = False
 
+    def __init__(self, wrapped):
+        # accelerate's wrapper held, not subclassed: accelerate.utils exports its class only where DeepSpeed is
+        # installed, and the TRL front end imports without it
+        self.wrapped, self.engine = wrapped, wrapped.engine
+
+    def __getattr__(self, name: str):  # the rest of accelerate's wrapper (get_global_grad_norm, ...)
+        return getattr(self.wrapped, name)
+
     @classmethod
     def on(cls, accelerator) -> "_SkipsEmptyPhases":
         """The accelerator's engine wrapper, made one of these (once per engine accelerate wraps)."""
         wrapped = accelerator.deepspeed_engine_wrapped
         if not isinstance(wrapped, cls):
-            wrapped = accelerator.deepspeed_engine_wrapped = cls(wrapped.engine)
+            wrapped = accelerator.deepspeed_engine_wrapped = cls(wrapped)
         return wrapped
 
     def backward(self, loss, sync_gradients=True, **kwargs):
         if not self.skip:
-            return super().backward(loss, sync_gradients=sync_gradients, **kwargs)
+            return self.wrapped.backward(loss, sync_gradients=sync_gradients, **kwargs)
         self.skip = False
         self.engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)  # as accelerate sets it
         if sync_gradients:
