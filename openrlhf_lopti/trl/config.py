@@ -32,7 +32,8 @@ class LoptiGRPOConfig(GRPOConfig):
 
     Args:
         ar_alpha: Advantage Reweighting strength in [0, 1] (paper Eq. 4; 0 = off, the paper's K&K value 0.3).
-        lopti_eta: Lopti's probability threshold in (0, 1] (paper: 0.5), or None for no Lopti.
+        lopti_eta: Lopti's probability threshold in (0, 1] (paper: 0.5), or None for no Lopti (0 with a
+            ``lopti_quantile``: unset, as None).
         lopti_order: ``"low_first"`` (Lopti) or ``"high_first"`` (the paper's ablation, which collapses).
         lopti_quantile: if set, in (0, 1): the threshold is this quantile of the generation batch's token
             probabilities over every process; it turns Lopti on by itself. Not with ``lopti_eta`` (refused).
