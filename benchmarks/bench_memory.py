@@ -54,6 +54,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark's memory and CPU helpers
 from bench_cpu_policy_loss import _cpu_model, _peak_growth, _start_peak_window  # noqa: E402
+from gpu_steps import first_error_line  # noqa: E402
+
+from openrlhf_lopti.errors import UserError  # noqa: E402
+from openrlhf_lopti.runs import prepare_out_file  # noqa: E402
 
 PATHS = ("openrlhf", "logits_kernel", "fused_linear", "liger_flce", "cce")
 DEFAULT_PATHS = ("openrlhf", "logits_kernel", "fused_linear")
@@ -323,17 +327,13 @@ def _memory_worker(path: str, options: dict, device: str, n: int, h: int, v: int
     except ImportError as error:
         return dict(path=path, status=f"not installed ({error.name or error})")
     except Exception as error:  # noqa: BLE001 - a peer's API change or an OOM loses its row, not the others'
-        return dict(path=path, status=f"failed: {_first_line(error)}")
+        return dict(path=path, status=f"failed: {first_error_line(error)[:300]}")
     out["peak_bytes"] = max(out["forward_only_peak_bytes"], out["train_peak_bytes"])
     out["backend_ran"] = sorted(steps.ran)
     if steps.note:
         out["note"] = steps.note
     return out
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
 def _time_worker(paths: list, options: dict, device: str, n: int, h: int, v: int, dtype_name: str,
@@ -348,7 +348,7 @@ def _time_worker(paths: list, options: dict, device: str, n: int, h: int, v: int
             _step(data, steps[path].forward_only, steps[path].train, device)
         except Exception as error:  # noqa: BLE001 - timed without it; its row says why
             steps.pop(path, None)
-            failed[path] = f"failed in the timing worker: {_first_line(error)}"
+            failed[path] = f"failed in the timing worker: {first_error_line(error)[:300]}"
     paths = [path for path in paths if path in steps]
     rounds = []
     for r in range(repeats):
@@ -584,14 +584,10 @@ def main(argv: Optional[list] = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     json_path = Path(args.json or RESULTS_DIR / f"bench_memory_{args.device}.json")
-    if json_path.is_dir():
-        parser.error(f"--json {json_path} is a folder: give a file path")
-    if json_path.exists() and not args.overwrite:
-        parser.error(f"{json_path} exists: pass --overwrite to replace it, or --json elsewhere")
     try:  # before the run, not after it: a path that cannot be written would lose every figure
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        parser.error(f"--json {json_path}: cannot write there ({error.strerror or error})")
+        prepare_out_file(json_path, overwrite=args.overwrite, out_flag="--json")
+    except UserError as error:
+        parser.error(str(error))
 
     if args.threads:
         os.environ["BENCH_THREADS"] = str(args.threads)  # read by the worker processes
@@ -604,7 +600,9 @@ def main(argv: Optional[list] = None) -> int:
     # compiles each on the H100, and the GPU session's step ran out of time before its last path).
     run_worker = (lambda spec: _worker(spec, options, dims, args.repeats)) if args.device == "cuda" else (
         lambda spec: _subprocess(["--worker", spec, *common]))  # fmt: skip
-    report = dict(shape=shape, backend=args.backend, entropy_coef=args.entropy_coef, complete=False, memory=[])
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else _cpu_model()  # in every partial JSON too
+    report = dict(shape=shape, device=args.device, device_name=device_name, backend=args.backend,
+                  entropy_coef=args.entropy_coef, complete=False, memory=[])  # fmt: skip
     expected = expected_backends(args.device, args.backend)
     for path in paths:
         try:

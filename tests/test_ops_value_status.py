@@ -19,12 +19,12 @@ from openrlhf_lopti.ops.value_status import (
     input_status,
 )
 
+from openrlhf_lopti.cli.bench_loss_head import HOST_READS
 from openrlhf_lopti.ops.triton import policy_loss as kernels  # conftest has set TRITON_INTERPRET by now
 
 NAN, INF = float("nan"), float("inf")
-# The ops that copy a device value to the host (a sync on a GPU): .item() / int() / bool() / .tolist() all reach
-# _local_scalar_dense; nonzero sizes its output from the data; equal and is_nonzero answer on the host.
-SYNCING = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "item"}
+# The ops that copy a device value to the host (a sync on a GPU): the benchmark's syncs_free counts the same ones
+SYNCING = HOST_READS
 # Ops that launch nothing: allocations, views, metadata.
 SILENT = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "view",
           "t", "transpose", "select", "slice", "unsqueeze", "squeeze", "expand", "as_strided", "set_", "lift_fresh",
