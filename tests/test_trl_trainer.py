@@ -90,19 +90,15 @@ def train(cls, config, tok, dataset=None, reward=distinct_words, model=None):
 
 
 def hand_round(tok, initial, recorded, cfg, dtype, denominators="all", beta=None, build=tiny_model, aux_coef=0.0):
-    """The round the recorded micro-batches define, written out in plain torch: per micro-batch the clipped
-    surrogate of paper Eq. 1 with the AR weight of Eq. 4, on the micro-batch's Lopti phase tokens, normalised as
-    TRL's ``cfg.loss_type`` does over every response token (``denominators="phase"``: over the phase's tokens,
-    the planted bug), plus ``beta`` (default ``cfg.beta``) times the k3 KL to the recorded reference log-probs
-    (times the ratio with TRL's ``use_bias_correction_kl``), minus TRL's entropy bonus, plus ``aux_coef`` times a
-    MoE model's router load-balancing loss of the forward; ``cfg.gradient_accumulation_steps`` micro-batches per
-    SGD step, on the model ``build(tok)`` makes. Returns the parameters."""
+    """The round the recorded micro-batches define, written out in plain torch (:func:`hand_micro_step_loss` per
+    micro-batch, ``cfg.gradient_accumulation_steps`` micro-batches per SGD step) on the model ``build(tok)`` makes,
+    from ``initial``, in ``dtype``. Returns the parameters."""
     beta = cfg.beta if beta is None else beta
     model = build(tok)
     model.load_state_dict(initial)
     model = model.to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
-    ga, alpha = cfg.gradient_accumulation_steps, cfg.ar_alpha
+    ga = cfg.gradient_accumulation_steps
     phase_items = {}
     for inp in recorded:  # the phase's tokens in the generation batch, for the planted "phase" dapo denominator
         key = inp.get("lopti_phase", 0)
@@ -111,46 +107,57 @@ def hand_round(tok, initial, recorded, cfg, dtype, denominators="all", beta=None
         for p in params:
             p.grad = None
         for inp in recorded[start : start + ga]:
-            ids = torch.cat([inp["prompt_ids"], inp["completion_ids"]], 1)
-            attention = torch.cat([inp["prompt_mask"], inp["completion_mask"]], 1)
-            t = inp["completion_ids"].size(1)
-            out = model(input_ids=ids, attention_mask=attention, **({"output_router_logits": True} if aux_coef else {}))
-            logits = out.logits[:, -t - 1 : -1].to(dtype)
-            logp = torch.log_softmax(logits / cfg.temperature, -1).gather(-1, inp["completion_ids"][..., None])[..., 0]
-            # TRL's on-policy case (no stored anchor): the anchor is this forward's log-probs, detached
-            old = inp["old_per_token_logps"].to(dtype) if "old_per_token_logps" in inp else logp.detach()
-            mask = inp["completion_mask"].to(dtype)
-            phase = inp["lopti_phase_mask"].to(dtype) * mask if "lopti_phase_mask" in inp else mask
-            adv = inp["advantages"].to(dtype)[:, None] * (alpha * old.exp() + 1 - alpha)
-            ratio = (logp - old).exp()
-            eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
-            per_token = -torch.min(ratio * adv, ratio.clamp(1 - cfg.epsilon, 1 + eps_high) * adv)
-            if beta:
-                ref = inp["ref_per_token_logps"].to(dtype)
-                kl = (ref - logp).exp() - (ref - logp) - 1
-                per_token = per_token + beta * (kl * ratio if cfg.use_bias_correction_kl else kl)
-            per_token = per_token * phase
-            norm = mask if denominators == "all" else phase
-            if cfg.loss_type == "grpo":
-                loss = ((per_token * norm).sum(-1) / norm.sum(-1).clamp(min=1)).mean() / ga
-            elif cfg.loss_type == "bnpo":
-                loss = (per_token * norm).sum() / norm.sum().clamp(min=1) / ga
-            elif cfg.loss_type == "dr_grpo":
-                loss = per_token.sum() / (per_token.size(0) * cfg.max_completion_length) / ga
-            else:  # dapo: tokens of the generation batch, per optimizer step
-                items = float(inp["num_items_in_batch"]) if denominators == "all" else phase_items[inp.get("lopti_phase", 0)]
-                loss = per_token.sum() / (items * ga / cfg.steps_per_generation)
-            if cfg.entropy_coef:  # TRL's bonus: mean entropy over the response tokens, per accumulation step
-                probs = torch.softmax(logits / cfg.temperature, -1)
-                entropy = -(probs * torch.log_softmax(logits / cfg.temperature, -1)).sum(-1)
-                loss = loss - cfg.entropy_coef * (entropy * phase).sum() / mask.sum().clamp(min=1) / ga
-            if aux_coef:  # TRL's router aux loss: in every micro-batch (each Lopti phase), over all its tokens
-                loss = loss + aux_coef * out.aux_loss / ga
-            loss.backward()
+            hand_micro_step_loss(model, inp, cfg, dtype, beta, denominators, phase_items, aux_coef).backward()
         with torch.no_grad():
             for p in params:
                 p -= LR * p.grad
     return [p.detach() for p in params]
+
+
+def hand_micro_step_loss(model, inp, cfg, dtype, beta, denominators="all", phase_items=None, aux_coef=0.0):
+    """One micro-batch's loss, as TRL accumulates it (divided by the accumulation steps): the clipped surrogate of
+    paper Eq. 1 with the AR weight of Eq. 4, on the micro-batch's Lopti phase tokens, normalised as TRL's
+    ``cfg.loss_type`` does over every response token (``denominators="phase"``: over the phase's tokens, the planted
+    bug; ``phase_items``: each phase's token count in the generation batch, for dapo), plus ``beta`` times the k3 KL
+    to the recorded reference log-probs (times the ratio with TRL's ``use_bias_correction_kl``), minus TRL's entropy
+    bonus, plus ``aux_coef`` times a MoE model's router load-balancing loss of the forward."""
+    ga, alpha = cfg.gradient_accumulation_steps, cfg.ar_alpha
+    ids = torch.cat([inp["prompt_ids"], inp["completion_ids"]], 1)
+    attention = torch.cat([inp["prompt_mask"], inp["completion_mask"]], 1)
+    t = inp["completion_ids"].size(1)
+    out = model(input_ids=ids, attention_mask=attention, **({"output_router_logits": True} if aux_coef else {}))
+    logits = out.logits[:, -t - 1 : -1].to(dtype)
+    logp = torch.log_softmax(logits / cfg.temperature, -1).gather(-1, inp["completion_ids"][..., None])[..., 0]
+    # TRL's on-policy case (no stored anchor): the anchor is this forward's log-probs, detached
+    old = inp["old_per_token_logps"].to(dtype) if "old_per_token_logps" in inp else logp.detach()
+    mask = inp["completion_mask"].to(dtype)
+    phase = inp["lopti_phase_mask"].to(dtype) * mask if "lopti_phase_mask" in inp else mask
+    adv = inp["advantages"].to(dtype)[:, None] * (alpha * old.exp() + 1 - alpha)
+    ratio = (logp - old).exp()
+    eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+    per_token = -torch.min(ratio * adv, ratio.clamp(1 - cfg.epsilon, 1 + eps_high) * adv)
+    if beta:
+        ref = inp["ref_per_token_logps"].to(dtype)
+        kl = (ref - logp).exp() - (ref - logp) - 1
+        per_token = per_token + beta * (kl * ratio if cfg.use_bias_correction_kl else kl)
+    per_token = per_token * phase
+    norm = mask if denominators == "all" else phase
+    if cfg.loss_type == "grpo":
+        loss = ((per_token * norm).sum(-1) / norm.sum(-1).clamp(min=1)).mean() / ga
+    elif cfg.loss_type == "bnpo":
+        loss = (per_token * norm).sum() / norm.sum().clamp(min=1) / ga
+    elif cfg.loss_type == "dr_grpo":
+        loss = per_token.sum() / (per_token.size(0) * cfg.max_completion_length) / ga
+    else:  # dapo: tokens of the generation batch, per optimizer step
+        items = float(inp["num_items_in_batch"]) if denominators == "all" else phase_items[inp.get("lopti_phase", 0)]
+        loss = per_token.sum() / (items * ga / cfg.steps_per_generation)
+    if cfg.entropy_coef:  # TRL's bonus: mean entropy over the response tokens, per accumulation step
+        probs = torch.softmax(logits / cfg.temperature, -1)
+        entropy = -(probs * torch.log_softmax(logits / cfg.temperature, -1)).sum(-1)
+        loss = loss - cfg.entropy_coef * (entropy * phase).sum() / mask.sum().clamp(min=1) / ga
+    if aux_coef:  # TRL's router aux loss: in every micro-batch (each Lopti phase), over all its tokens
+        loss = loss + aux_coef * out.aux_loss / ga
+    return loss
 
 
 def update_errors(initial, ours, ref32, ref64) -> list:
@@ -248,6 +255,42 @@ def test_lopti_ar_round_matches_hand_written(tmp_path, tok, loss_type, fused_lm_
         assert key in logged, key
     assert logged["lopti/threshold"] == 0.5
     assert abs(logged["lopti/low_token_frac"] - float(low / (low + high))) < 1e-6
+
+
+class ChecksThePhaseLoss(LoptiGRPOTrainer):
+    """Moves each micro-batch's reference log-probs 0.5 below the recorded ones (a KL that is not 0, even at the
+    first step), then records per call ``(logged lopti/<phase>/policy_loss, the hand-written share without the KL,
+    the share with beta * KL)``, the shares from :func:`hand_micro_step_loss` on the model as it is at that call."""
+
+    def _compute_loss(self, model, inputs):
+        inputs = dict(inputs, ref_per_token_logps=inputs["ref_per_token_logps"] - 0.5)
+        undo = 1.0 if self.loss_type == "dapo" else self.args.gradient_accumulation_steps  # TRL logs it before / ga
+        with torch.no_grad():
+            shares = [undo * float(hand_micro_step_loss(model, inputs, self.args, torch.float32, beta))
+                      for beta in (0.0, self.beta)]  # fmt: skip
+        loss = super()._compute_loss(model, inputs)
+        name = ("low", "high")[inputs["lopti_phase"]]
+        self.checked.append((self._metrics["train"][f"lopti/{name}/policy_loss"][-1], *shares))
+        return loss
+
+
+@pytest.mark.parametrize("loss_type, bias_correction", [("grpo", False), ("dapo", True)])  # KL in / after the kernel
+def test_the_phase_policy_loss_is_the_surrogate_without_the_kl(tmp_path, tok, loss_type, bias_correction):
+    # as the local trainer, OpenRLHF and verl log it (docs/LOPTI_ROUND.md); TRL's own policy_loss keeps the KL
+    cfg = LoptiGRPOConfig(
+        **settings(tmp_path, loss_type=loss_type, max_steps=2, ar_alpha=0.3, lopti_eta=0.5, beta=0.1,
+                   use_bias_correction_kl=bias_correction)  # fmt: skip
+    )
+    start = tmp_path / "tiny"  # a path: TRL loads the KL reference model from it
+    tiny_model(tok).save_pretrained(start)
+    trainer = ChecksThePhaseLoss(model=str(start), reward_funcs=[distinct_words], args=cfg,
+                                 train_dataset=kk_dataset(), processing_class=tok)  # fmt: skip
+    trainer.checked = []
+    trainer.train()
+    assert len(trainer.checked) == 4  # two micro-steps per phase
+    for logged, without_kl, with_kl in trainer.checked:
+        assert abs(with_kl - without_kl) > 1e-3  # the KL term is not 0 here
+        assert abs(logged - without_kl) <= 1e-5 * max(1.0, abs(without_kl)), (logged, without_kl, with_kl)
 
 
 @pytest.mark.parametrize(

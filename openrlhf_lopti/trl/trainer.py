@@ -29,7 +29,8 @@ A TRL user swaps ``GRPOTrainer`` / ``GRPOConfig`` for ``LoptiGRPOTrainer`` / ``L
   normalisation of TRL's ``loss_type`` keeps counting all response tokens (``mask.sum(-1)`` for grpo,
   ``mask.sum()`` for bnpo, ``num_items_in_batch`` for dapo, the constant of dr_grpo), as our other trainers
   do: the two phases together weigh each token as one plain pass does. Per phase (fused path):
-  ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``. On TRL's loss path a phase takes the
+  ``lopti/<low|high>/policy_loss`` (without ``beta * KL``, as our other trainers log it) and
+  ``lopti/<low|high>/clip_ratio``. On TRL's loss path a phase takes the
   gradient of TRL's loss through its own tokens' log-probs and entropies only (``algo.phase_gradient``): the
   same masking for token-level losses, and for a sequence-level importance ratio the whole sequence's ratio
   (docs/LOPTI_ROUND.md); TRL's metrics there cover every token of the micro-batch.
@@ -653,6 +654,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
         if is_ratio is not None:
             loss_rows = loss_rows * is_ratio[rows]
         kl_rows = None
+        surrogate_rows = loss_rows  # without the KL: the per-phase policy_loss, as our other front ends log it
         if self.beta != 0.0:
             if separate_kl:
                 kl_rows = approx_kl(out.logp, ref[rows], "k3")
@@ -661,10 +663,15 @@ class LoptiGRPOTrainer(GRPOTrainer):
                 loss_rows = loss_rows + self.beta * kl_rows
             else:
                 kl_rows = out.kl
-        per_token_loss = loss_rows.new_zeros(b, t).masked_scatter(rows, loss_rows)  # 0 outside the phase
-        surrogate = (per_token_loss * weights).sum()  # TRL's loss_type reduction
-        policy_loss = (surrogate * (normalizer if self.loss_type != "dapo" else 1.0)).detach()
-        loss = kernel_out.reduced if one_pass else surrogate  # the one-pass sum holds the entropy bonus already
+                surrogate_rows = loss_rows - self.beta * kl_rows
+
+        def reduced(per_row: torch.Tensor) -> torch.Tensor:  # [N] on rows -> TRL's loss_type reduction, a scalar
+            return (per_row.new_zeros(b, t).masked_scatter(rows, per_row) * weights).sum()  # 0 outside the phase
+
+        unaccumulated = normalizer if self.loss_type != "dapo" else 1.0  # TRL logs the loss before / accumulation
+        trl_loss = reduced(loss_rows)
+        policy_loss = (trl_loss * unaccumulated).detach()  # TRL's policy_loss: with beta * KL, as TRL's own
+        loss = kernel_out.reduced if one_pass else trl_loss  # the one-pass sum holds the entropy bonus already
 
         if entropy_bonus:
             if not one_pass:  # TRL's mean entropy over the tokens it acts on; with Lopti each phase adds its share
@@ -680,7 +687,10 @@ class LoptiGRPOTrainer(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-        self._log_loss_metrics(mode, inputs, out, rows, old, advantages, kl_rows, policy_loss)
+        phase_loss = None
+        if "lopti_phase" in inputs:
+            phase_loss = policy_loss if kl_rows is None else (reduced(surrogate_rows.detach()) * unaccumulated)
+        self._log_loss_metrics(mode, inputs, out, rows, old, advantages, kl_rows, phase_loss)
         return loss
 
     def _checks_before_the_step(self) -> StepChecks:
@@ -738,11 +748,12 @@ class LoptiGRPOTrainer(GRPOTrainer):
             where += f", Lopti phase '{PHASE_NAMES[self.args.lopti_order][phase]}'"
         return f"{where}, micro-step {self._step % self.args.gradient_accumulation_steps + 1}"
 
-    def _log_loss_metrics(self, mode, inputs, out, rows, old, advantages, kl_rows, policy_loss) -> None:
+    def _log_loss_metrics(self, mode, inputs, out, rows, old, advantages, kl_rows, phase_loss) -> None:
         """TRL's ``entropy``, ``kl`` and ``clip_ratio/*_mean`` over the trained tokens; per Lopti phase also
-        ``lopti/<low|high>/policy_loss`` and ``lopti/<low|high>/clip_ratio``. A mean over no token (a micro-step
-        without a token of the phase on any process) is NaN, which TRL's ``log`` drops: a 0 there would weigh an
-        empty micro-step into the logged mean (the local trainer weighs its means by token counts)."""
+        ``lopti/<low|high>/policy_loss`` (``phase_loss``: the phase's share of TRL's loss without ``beta * KL``)
+        and ``lopti/<low|high>/clip_ratio``. A mean over no token (a micro-step without a token of the phase on
+        any process) is NaN, which TRL's ``log`` drops: a 0 there would weigh an empty micro-step into the logged
+        mean (the local trainer weighs its means by token counts)."""
 
         def global_mean(values: torch.Tensor) -> float:
             totals = torch.stack([values.detach().float().sum(), values.new_tensor(float(values.numel()))])
@@ -768,7 +779,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(seq_mean(high))).item())
         if "lopti_phase" in inputs:
             name = PHASE_NAMES[self.args.lopti_order][inputs["lopti_phase"]]
-            self._metrics[mode][f"lopti/{name}/policy_loss"].append(self.accelerator.gather(policy_loss).mean().item())
+            self._metrics[mode][f"lopti/{name}/policy_loss"].append(self.accelerator.gather(phase_loss).mean().item())
             self._metrics[mode][f"lopti/{name}/clip_ratio"].append(global_mean(out.clipped.float()))
 
 
