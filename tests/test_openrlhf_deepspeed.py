@@ -121,6 +121,26 @@ def test_quantile_threshold_is_one_for_all_data_parallel_ranks_under_zero3(model
         assert_same_update(b["steps"][0], a["steps"][0], b["initial_params"])
 
 
+def test_track_direction_runs_as_many_forwards_on_every_rank_as_training_under_zero3(model, tmp_path):
+    """Ranks holding 8 and 6 samples, micro-batches of 3: each trains 2 micro-batches a pass (upstream's loader drops
+    the remainder). Before, the direction pass ran ceil(8 / 3) = 3 forwards on rank 0 and 2 on rank 1; under ZeRO-3
+    each forward gathers the parameters, so rank 0 waited in its third forward while rank 1 was in the counts'
+    all-reduce. Now it runs the trained micro-batches, and counts their tokens on both ranks. This tiny model's
+    parameters are all below ZeRO-3's persistence threshold, so its forwards gather nothing and the test shows the
+    count (before: 73 tokens, the remainder's included), not the hang, which is read from DeepSpeed's code."""
+    flags = ("--algo.lopti.eta", "0.5", "--ds.zero_stage", "3", "--train.micro_batch_size", "3",
+             "--train.batch_size", "6", "--algo.track_direction")  # fmt: skip
+    cfg = config(model, *flags, steps=1, samples=8, samples_per_rank=[8, 6], kl_in_reward=False)
+    results = ok(run_ranks(tmp_path, 2, cfg))
+    trained = sum(
+        int(synthetic_experience(rank, 0, samples, VOCAB, False).action_mask[:6].sum())
+        for rank, samples in enumerate([8, 6])
+    )  # fmt: skip
+    for result in results:
+        status = result["steps"][0]["status"]
+        assert sum(value for key, value in status.items() if key.startswith("direction/tokens_")) == trained
+
+
 def test_zero3_gathers_on_gloo_never_read_a_parameter_before_it_arrives(model, tmp_path):
     """The ``--cpu`` strategy's DeepSpeed config on two gloo ranks: 2000 blocking gathers of every parameter, each
     read at once (``ds_ranks.stale_gathers``). DeepSpeed 0.19.6 waits for the last of its per-parameter collectives

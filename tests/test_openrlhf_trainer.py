@@ -1390,7 +1390,10 @@ def edited_args(edit: dict):
             "does not support --algo.advantage.is_correction_level",
         ),
         ({"algo.lopti.eta": 0.5, "actor.loss_agg_mode": "seq-mean-token-mean"}, "--algo.lopti.denominator all with"),
-        ({"algo.ar.alpha": 2.0}, r"alpha must be in \[0, 1\]"),
+        # each names its flag (before: algo's bare "alpha must be ...", "quantile must be ...")
+        ({"algo.ar.alpha": 2.0}, r"^--algo\.ar\.alpha: alpha must be in \[0, 1\]"),
+        ({"algo.lopti.quantile": float("nan")}, r"^--algo\.lopti\.quantile: quantile must be in \(0, 1\)"),
+        ({"algo.lopti.eta": 0.5, "algo.lopti.order": "sideways"}, r"^--algo\.lopti\.order: order must be one of"),
     ],
 )
 def test_trainer_rejects_what_cannot_work_at_start_up(edit, message, env):

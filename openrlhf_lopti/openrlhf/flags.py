@@ -220,7 +220,17 @@ def check_config(args: Any) -> None:
     Called at parse time by ``openrlhf_lopti.cli.train_ppo_ray`` and again by the trainer at start-up.
     """
     cfg = lopti_config(args)
-    check_alpha(cfg.ar_alpha)
+    # algo's own checks, one flag at a time so that the error names it (args built by hand skip argparse's types)
+    checks = (
+        ("--algo.ar.alpha", lambda: check_alpha(cfg.ar_alpha)),
+        ("--algo.lopti.order", lambda: check_lopti_args(0.5, cfg.lopti_order, None)),
+        ("--algo.lopti.quantile", lambda: check_lopti_args(0.5, "low_first", cfg.lopti_quantile)),
+    )
+    for flag, check in checks:
+        try:
+            check()
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
     low, high = _clip_range(args)
     if math.isnan(low) or math.isnan(high):  # upstream's clamp would make every ratio NaN
         if _arg(args, "actor.eps_clip_low_high", None) is None:  # the range came from --actor.eps_clip
@@ -228,8 +238,6 @@ def check_config(args: Any) -> None:
         raise ValueError(f"--actor.eps_clip_low_high must be two numbers, got {low:g} {high:g}")
     if not (cfg.lopti_eta == 0 or 0 < cfg.lopti_eta <= 1):  # NaN fails both
         raise ValueError(f"--algo.lopti.eta must be 0 (off) or in (0, 1], got {cfg.lopti_eta}")
-    if cfg.lopti_eta > 0 or cfg.lopti_quantile is not None:  # with a quantile and no eta, the quantile alone sets it
-        check_lopti_args(cfg.lopti_eta or 1.0, cfg.lopti_order, cfg.lopti_quantile)
     cfg.lopti  # noqa: B018 - raises on algo's rule: the two thresholds together are refused
     if cfg.lopti_denominator not in LOPTI_DENOMINATORS:
         raise ValueError(f"--algo.lopti.denominator must be one of {LOPTI_DENOMINATORS}, got {cfg.lopti_denominator!r}")

@@ -26,7 +26,7 @@ What each flag changes, and where (the math itself is ``openrlhf_lopti.algo`` / 
   them at each accumulation boundary, before DeepSpeed's step, and every data-parallel rank raises the same line
   naming the rank, the RL step, the phase, the micro-batch and the row. The backend that ran is printed once.
 - ``--algo.track_direction``: ``ppo_train`` ends with ``_direction_metrics``: one forward-only pass over the
-  round's experience after the update, logged as ``direction/*`` (``openrlhf_lopti.algo.direction``).
+  round's trained micro-batches after the update, logged as ``direction/*`` (``openrlhf_lopti.algo.direction``).
 """
 
 import inspect
@@ -36,12 +36,12 @@ from typing import Callable, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import RandomSampler, Sampler
+from torch.utils.data import DataLoader, RandomSampler, Sampler
 
 import openrlhf.trainer.ray.ppo_actor as ppo_actor
 from openrlhf.models import aggregate_loss
 from openrlhf.models.utils import masked_mean
-from openrlhf.trainer.ppo_utils.experience import Experience, make_experience_batch
+from openrlhf.trainer.ppo_utils.experience import Experience
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 from openrlhf.utils.loss_utils import get_loss_batch_info
 from openrlhf.utils.utils import zero_pad_sequences
@@ -280,17 +280,20 @@ class LoptiActorPPOTrainer(ActorPPOTrainer):
 
         One forward-only pass over the replay buffer with the updated weights, made the way experience making
         made the rollout log-probs (eval mode; our kernels when the fused loss is on), so that only the update
-        moves a token's log-prob. Costs one forward pass over the step's experience.
+        moves a token's log-prob. Its micro-batches are a training pass's, in order: upstream's loader without the
+        shuffle (``drop_last``, dynamic batches), so every data-parallel rank runs as many forwards as its
+        training passes did; under ZeRO-3 each forward is a collective, and a rank with one more (a remainder
+        upstream does not train) would wait forever. Costs one forward pass over the step's trained experience.
         """
         device = torch.cuda.current_device()
         kernels = self.fused_backend is not None
-        items, size, batches = self.replay_buffer.items, self.replay_buffer.sample_batch_size, []
+        buffer, batches = self.replay_buffer, []
+        loader = DataLoader(buffer, batch_size=buffer.sample_batch_size, drop_last=True, collate_fn=buffer.collate_fn)
         self.actor.eval()
         try:
             with fused_log_probs(self.actor, self.fused_backend, self.lopti.fused_lm_head) if kernels else nullcontext():
-                for start in range(0, len(items), size):
-                    batch = make_experience_batch(items[start : start + size], self.replay_buffer.packing_samples)
-                    experience = batch.to_device(device)
+                for experience in loader:
+                    experience = experience.to_device(device)
                     new = self.actor(experience.sequences, experience.action_mask, experience.attention_mask)
                     old, mask = experience.action_log_probs, experience.action_mask
                     batches.append((old, new, experience.advantages, mask))

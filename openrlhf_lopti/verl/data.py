@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from openrlhf_lopti.errors import ArgumentParser, UserError, run_command
-from openrlhf_lopti.tasks import load_rows
+from openrlhf_lopti.tasks import kk, load_rows
 
 SPLITS = ("train", "test")
 
@@ -49,6 +49,10 @@ def verl_row(record: dict, split: str, index: int, where: str) -> dict:
     if not isinstance(record["label"], str) or not isinstance(record["datasource"], str):
         bad = "label" if not isinstance(record["label"], str) else "datasource"
         raise UserError(f"{where}: {bad} must be text, got {_shown(record[bad])}")
+    try:  # the reward reads it in a Ray worker, after the rollout: a label it cannot read is refused here
+        kk.parse_solution_text(record["label"])
+    except ValueError as exc:
+        raise UserError(f"{where}: label: {exc} (a K&K label: one '(k) Name is a knight|knave' per line)") from None
     return {
         "data_source": record["datasource"],
         "prompt": [{"role": m["role"], "content": m["content"]} for m in prompt],

@@ -111,8 +111,12 @@ def test_the_converter_refuses_an_out_that_is_a_file_in_one_line(tmp_path, capsy
         ([dict(GOOD_ROW, prompt=[{"content": "hi"}])], [GOOD_ROW], "train.jsonl line 1: prompt must be a list of "),
         ([GOOD_ROW], [GOOD_ROW, dict(GOOD_ROW, prompt=["hi"])], "test.jsonl line 2: prompt must be a list of "),
         ([dict(GOOD_ROW, label=3)], [GOOD_ROW], "train.jsonl line 1: label must be text, got 3"),
+        # before: written, then the reward raised in a Ray worker after the first rollout
+        ([dict(GOOD_ROW, label="Alice is a hero")], [GOOD_ROW], "train.jsonl line 1: label: cannot read label line "),
+        ([GOOD_ROW], [dict(GOOD_ROW, label="")], "test.jsonl line 1: label: empty K&K label"),
     ],
-    ids=["empty-split", "num_people-null", "message-without-role", "messages-as-strings", "label-not-text"],
+    ids=["empty-split", "num_people-null", "message-without-role", "messages-as-strings", "label-not-text",
+         "label-unreadable", "label-empty"],  # fmt: skip
 )
 def test_the_converter_names_a_bad_file_or_row_in_one_line_and_writes_nothing(tmp_path, capsys, train, test, error):
     """Before: an empty split wrote a parquet file of no columns that verl's dataset fails on later ("An error
