@@ -741,3 +741,26 @@ def test_a_second_derivative_is_refused_never_silently_wrong(backend):
                                    inputs["advantages"], inputs["mask"], bias=inputs["bias"], backend=backend)  # fmt: skip
     with pytest.raises(RuntimeError, match=r"^fused_linear_policy_loss: a second derivative .* fused_policy_loss"):
         torch.autograd.grad(out.loss.sum(), hidden, create_graph=True)
+
+
+def test_old_ref_log_probs_and_advantages_are_constants_of_the_loss():
+    # an old_log_probs still attached to the graph (a missed .detach()) must not cancel the ratio's gradient, as
+    # on fused_policy_loss's cpp / triton backends: only the log-prob carries a gradient
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 5, generator=g).requires_grad_(True)
+    weight = torch.randn(7, 5, generator=g)
+    labels = torch.randint(0, 7, (4,), generator=g)
+    advantages = torch.randn(4, generator=g).requires_grad_(True)
+    mask = torch.ones(4, dtype=torch.bool)
+    grads = []
+    for attached in (True, False):
+        hidden.grad = None
+        logp = torch.log_softmax(hidden @ weight.t(), -1).gather(1, labels[:, None]).squeeze(1)
+        old = logp - 0.05 if attached else (logp - 0.05).detach()
+        out = fused_linear_policy_loss(hidden, weight, labels, old, advantages if attached else advantages.detach(),
+                                       mask, ref_log_probs=old - 0.1, kl_coef=0.1, backend="torch")  # fmt: skip
+        out.loss.sum().backward()
+        grads.append(hidden.grad.clone())
+    assert grads[1].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1])
+    assert advantages.grad is None

@@ -40,3 +40,26 @@ def test_torch_backend_matches_the_textbook_loss(case):
     assert_near_truth("torch", got, got_grad, want, want_grad, inputs["logits"], case.temperature, max_weight(upstream))
     assert torch.equal(got["clipped"], want["clipped"])
     assert torch.all(got_grad[~inputs["mask"]] == 0)
+
+
+def test_old_ref_log_probs_and_advantages_are_constants_as_on_the_kernels():
+    # an old_log_probs still attached to the logits' graph (a missed .detach()) must not cancel the ratio's
+    # gradient: the cpp and triton backends read it as a constant, and so must the torch backend
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 7, generator=g).requires_grad_(True)
+    labels = torch.randint(0, 7, (4,), generator=g)
+    advantages = torch.randn(4, generator=g).requires_grad_(True)
+    mask = torch.ones(4, dtype=torch.bool)
+    grads = []
+    for attached in (True, False):
+        logits.grad = None
+        logp = torch.log_softmax(logits, -1).gather(1, labels[:, None]).squeeze(1)
+        old = logp - 0.05 if attached else (logp - 0.05).detach()
+        ref = old - 0.1
+        out = fused_policy_loss(logits, labels, old, advantages if attached else advantages.detach(), mask,
+                                ref_log_probs=ref, kl_coef=0.1, backend="torch")  # fmt: skip
+        out.loss.sum().backward()
+        grads.append(logits.grad.clone())
+    assert grads[1].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1])
+    assert advantages.grad is None

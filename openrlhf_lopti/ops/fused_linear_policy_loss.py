@@ -322,7 +322,8 @@ def fused_linear_policy_loss(
                       with_entropy)  # fmt: skip
     kept_labels = labels.index_select(0, index).contiguous()
     logp, entropy, bad = _LinearLogProbs.apply(hidden.index_select(0, index), weight, bias, kept_labels, plan)
-    kept = lambda x: None if x is None else x.index_select(0, index)  # noqa: E731
+    # constants of the loss (detached), as on fused_policy_loss's backends: only logp carries a gradient
+    kept = lambda x: None if x is None else x.detach().index_select(0, index)  # noqa: E731
     per_token = policy_loss_from_logp(
         logp, kept(old_log_probs), kept(advantages), None, ref_log_probs=kept(ref_log_probs), alpha=settings.alpha,
         eps_low=settings.eps_low, eps_high=settings.eps_high, dual_clip=settings.dual_clip, kl_coef=settings.kl_coef,

@@ -229,7 +229,8 @@ def fused_policy_loss(
             one-pass head) and the backward only scales it. The reductions the front ends use are such weights
             (a token mean: ``mask / count``; TRL's loss types: ``openrlhf_lopti.trl``'s ``_loss_type_weights``).
         entropy_weights: ``[N]`` float weights of the entropy in ``reduced`` (e.g. ``-coef * loss_weights`` for an
-            entropy bonus), or None; needs ``loss_weights``, and returns the entropy too.
+            entropy bonus), or None; needs ``loss_weights``. The entropy is computed for ``reduced``; ``out.entropy``
+            (detached) is returned only with ``return_entropy=True``.
         grad_in_logits: with ``loss_weights``, the gradient is written into the logits' own buffer (one ``[N, V]``
             less; Triton in its forward, C++ in its backward, the torch reference not at all; the logits are
             overwritten, so only for a caller that no longer needs them: an op that saved them raises at backward).

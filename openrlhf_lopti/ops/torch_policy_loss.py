@@ -88,8 +88,12 @@ def torch_policy_loss(
     """The ``"torch"`` backend (inputs' shapes and options checked by ``fused_policy_loss``): eager torch with fp32
     ``[N, V]`` temporaries. ``options`` as :func:`openrlhf_lopti.algo.policy_loss_from_logits`; ``grad_in_logits``
     is accepted and ignored (autograd owns the gradient's buffer here)."""
+    # old / ref log-probs and advantages are constants of the loss, as on the cpp and triton backends (a gradient
+    # through an undetached old_log_probs would cancel the policy gradient's ratio, silently)
+    if options.get("ref_log_probs") is not None:
+        options["ref_log_probs"] = options["ref_log_probs"].detach()
     out, bad_rows = policy_loss_and_bad_rows(logits, labels.long().clamp(0, max(logits.shape[1] - 1, 0)),
-                                             old_log_probs, advantages, mask, **options)  # fmt: skip
+                                             old_log_probs.detach(), advantages.detach(), mask, **options)  # fmt: skip
     return finish_per_token(
         out, bad_rows, logits.shape[1], labels, old_log_probs, advantages, mask, options.get("ref_log_probs"),
         options.get("temperature", 1.0), loss_weights, entropy_weights, "torch", logits.__getitem__,
