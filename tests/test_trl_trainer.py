@@ -744,3 +744,23 @@ def test_a_second_train_call_still_reads_the_value_checks(tmp_path, tok, new_opt
     with pytest.raises(ValueError, match="^advantages must be finite"):
         trainer.train()
     assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), trained))
+
+
+def test_off_a_micro_batch_without_response_tokens_logs_trls_metrics(tmp_path, tok):
+    """With AR and Lopti off, a micro-batch whose every completion is masked (truncated under
+    ``mask_truncated_completions``) logs TRL's ``entropy`` and ``clip_ratio/*_mean``: 0, TRL's mean over a count
+    clamped to 1 (before: NaN, which TRL's ``log`` drops, so the step logged None where TRL logs 0, and with
+    ``logging_steps > 1`` another mean)."""
+    start = tmp_path / "tiny"
+    tiny_model(tok).save_pretrained(start)
+    options = dict(mask_truncated_completions=True, max_completion_length=3)
+    _, ours, ours_inputs = train(LoptiGRPOTrainer, LoptiGRPOConfig(**settings(tmp_path / "a", **options)), tok,
+                                 model=str(start))  # fmt: skip
+    base = settings(tmp_path / "b", **options)
+    base.pop("loss_backend")
+    _, theirs, _ = train(GRPOTrainer, GRPOConfig(**base), tok, model=str(start))
+    assert all(int(x["completion_mask"].sum()) == 0 for x in ours_inputs)  # every completion truncated: masked
+    keys = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+    logged = [{k: h.get(k) for k in keys} for h in ours.state.log_history if "loss" in h]
+    assert logged == [{k: h.get(k) for k in keys} for h in theirs.state.log_history if "loss" in h]
+    assert logged and all(v == 0.0 for step in logged for v in step.values())

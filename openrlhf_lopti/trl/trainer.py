@@ -753,12 +753,15 @@ class LoptiGRPOTrainer(GRPOTrainer):
         ``lopti/<low|high>/policy_loss`` (``phase_loss``: the phase's share of TRL's loss without ``beta * KL``)
         and ``lopti/<low|high>/clip_ratio``. A mean over no token (a micro-step without a token of the phase on
         any process) is NaN, which TRL's ``log`` drops: a 0 there would weigh an empty micro-step into the logged
-        mean (the local trainer weighs its means by token counts)."""
+        mean (the local trainer weighs its means by token counts). Outside a Lopti phase it is TRL's 0 (TRL's
+        ``global_masked_mean`` clamps the count to 1), so that a micro-batch without a response token (e.g. every
+        completion truncated under ``mask_truncated_completions``) logs what TRL's trainer logs."""
+        empty = math.nan if "lopti_phase" in inputs else 0.0
 
         def global_mean(values: torch.Tensor) -> float:
             totals = torch.stack([values.detach().float().sum(), values.new_tensor(float(values.numel()))])
             totals = self.accelerator.reduce(totals, reduction="sum")
-            return (totals[0] / totals[1]).item() if totals[1] > 0 else math.nan
+            return (totals[0] / totals[1]).item() if totals[1] > 0 else empty
 
         adv = advantages[rows]
         ratio = torch.exp(out.logp.detach() - old[rows].float())
