@@ -654,7 +654,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
         if is_ratio is not None:
             loss_rows = loss_rows * is_ratio[rows]
         kl_rows = None
-        surrogate_rows = loss_rows  # without the KL: the per-phase policy_loss, as our other front ends log it
+        surrogate_rows = loss_rows  # before a separate KL is added: the per-phase policy_loss's rows
         if self.beta != 0.0:
             if separate_kl:
                 kl_rows = approx_kl(out.logp, ref[rows], "k3")
@@ -663,7 +663,6 @@ class LoptiGRPOTrainer(GRPOTrainer):
                 loss_rows = loss_rows + self.beta * kl_rows
             else:
                 kl_rows = out.kl
-                surrogate_rows = loss_rows - self.beta * kl_rows
 
         def reduced(per_row: torch.Tensor) -> torch.Tensor:  # [N] on rows -> TRL's loss_type reduction, a scalar
             return (per_row.new_zeros(b, t).masked_scatter(rows, per_row) * weights).sum()  # 0 outside the phase
@@ -688,7 +687,9 @@ class LoptiGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
         phase_loss = None
-        if "lopti_phase" in inputs:
+        if "lopti_phase" in inputs:  # without the KL, as our other front ends log it (only with Lopti: no work else)
+            if kl_rows is not None and not separate_kl:  # folded into the kernel's loss: taken out again
+                surrogate_rows = loss_rows - self.beta * kl_rows
             phase_loss = policy_loss if kl_rows is None else (reduced(surrogate_rows.detach()) * unaccumulated)
         self._log_loss_metrics(mode, inputs, out, rows, old, advantages, kl_rows, phase_loss)
         return loss
